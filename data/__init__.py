@@ -1,0 +1,1 @@
+"""Dataset loaders (installed as `orthrus_rag.data`, never as a bare top-level `data`)."""

@@ -1,0 +1,66 @@
+"""Engine configuration as plain dataclasses (no Hydra import: the CLI maps its configs onto these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to run. `model` is a built-in name, a local folder, a GGUF file or a hub id."""
+
+    model: str = "smollm2-135m-instruct"
+    embedding_adapters: list[str] = field(default_factory=list)  # PEFT folders; the first is the default
+    embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 2048  # KV blocks of block_size tokens each
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError("block_size and num_blocks must be positive")
+
+
+@dataclass
+class SchedulerConfig:
+    """Token budget per step and the policy that shares it."""
+
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    max_chunk_tokens: int = 256  # caps one request's chunk: bounds step latency
+    policy: str = "orthrus"
+    encoder_token_weight: float = 0.25  # budget cost of one encoder token relative to one decoder token
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_chunk_tokens < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and max_chunk_tokens must be positive")
+        if self.encoder_token_weight <= 0:
+            raise ValueError("encoder_token_weight must be positive")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    seed: int = 0

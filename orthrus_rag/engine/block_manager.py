@@ -1,0 +1,41 @@
+"""Paged KV cache bookkeeping: which physical blocks each request owns. Knows nothing of the model."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from orthrus_rag.engine.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def num_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """Additional blocks `req` needs so that this step's tokens have KV slots."""
+        num_tokens = req.num_kv_tokens_after(num_new_tokens)
+        total = -(-num_tokens // self.block_size)
+        return max(0, total - len(req.block_table))
+
+    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(req, num_new_tokens) <= len(self.free_blocks)
+
+    def allocate(self, req: Request, num_new_tokens: int) -> None:
+        needed = self.num_blocks_needed(req, num_new_tokens)
+        assert needed <= len(self.free_blocks), "allocate() without can_allocate()"
+        for _ in range(needed):
+            req.block_table.append(self.free_blocks.popleft())
+
+    def free(self, req: Request) -> None:
+        self.free_blocks.extend(req.block_table)
+        req.block_table = []

@@ -1,0 +1,52 @@
+"""Incremental output text and stop conditions for a generating request (vLLM semantics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orthrus_rag.engine.request import Request
+
+
+def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int]) -> str | None:
+    """Call after appending one sampled token to req.output_token_ids.
+
+    Updates req.output_text; returns a finish reason ("stop" for EOS / stop token id / stop string, "length"
+    when max_tokens is reached) or None. The caller records the reason and finishes the request.
+    """
+    params = req.sampling_params
+    assert params is not None and req.output_token_ids, "update_output needs a generating request with a token"
+    token_id = req.output_token_ids[-1]
+    # EOS / stop token: the token stays in output_token_ids but never reaches the text
+    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+        return "stop"
+    # NOTE: decoding the whole output each step is O(n^2) over a generation; simple and always equal to
+    # tokenizer.decode of the kept tokens. Swap for offset-based incremental detokenisation if it shows up.
+    prev_len = len(req.output_text)
+    req.output_text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+    if params.stop and _truncate_at_stop(req, prev_len):
+        return "stop"
+    if len(req.output_token_ids) >= params.max_tokens:
+        return "length"
+    return None
+
+
+def _truncate_at_stop(req: Request, prev_len: int) -> bool:
+    """Cut req.output_text at the earliest stop string in the new tail; whether one was found.
+
+    Only the newly decoded text plus (longest stop string - 1) characters before it is searched, so a stop
+    string split over tokens is found once, at the step that completes it.
+    """
+    params = req.sampling_params
+    assert params is not None
+    text = req.output_text
+    start = max(0, prev_len - (max(len(s) for s in params.stop) - 1))
+    best: tuple[int, str] | None = None
+    for stop_str in params.stop:
+        idx = text.find(stop_str, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop_str)
+    if best is None:
+        return False
+    idx, stop_str = best
+    req.output_text = text[: idx + len(stop_str)] if params.include_stop_str_in_output else text[:idx]
+    return True

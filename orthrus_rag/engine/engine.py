@@ -1,0 +1,227 @@
+"""The synchronous engine: add requests of both kinds, step, collect outputs.
+
+`step()` is the whole loop: the scheduler decides, the runner runs one flat batch (plus the encoder), the
+engine appends sampled tokens, checks stops and hands finished requests back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from orthrus_rag.engine.block_manager import BlockManager
+from orthrus_rag.engine.detokenizer import update_output
+from orthrus_rag.engine.input_processor import InputProcessor
+from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
+from orthrus_rag.engine.runner import ModelRunner, RunnerOutput
+from orthrus_rag.engine.scheduler import Scheduler
+from orthrus_rag.engine.stats import StepStats
+from orthrus_rag.layers.sampler import make_generator
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, RequestMetrics
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+Output = GenerationOutput | EmbeddingOutput
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any,
+                 adapter_slots: dict[str, int] | None = None, encoder: torch.nn.Module | None = None,
+                 encoder_tokenizer: Any = None, encoder_pooling: dict | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.adapter_slots = dict(adapter_slots or {})
+        self.default_adapter = next(iter(self.adapter_slots), None)
+        self.encoder_pooling = encoder_pooling or {}
+        device = torch.device(config.model.device)
+        hf = model.config
+        max_len = config.model.max_model_len or hf.max_position_embeddings
+        cache = config.cache
+        self.block_manager = BlockManager(cache.num_blocks, cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(model, cache.num_blocks, cache.block_size, device, config.model.torch_dtype,
+                                  encoder)
+        self.inputs = InputProcessor(
+            tokenizer, hf.vocab_size, max_len, cache.num_blocks * cache.block_size, encoder_tokenizer,
+            encoder.config.vocab_size if encoder is not None else 0,
+            encoder.max_position_embeddings if encoder is not None else 0)
+        eos = hf.eos_token_id if hf.eos_token_id is not None else tokenizer.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.step_stats: deque[StepStats] = deque(maxlen=100_000)  # bounded: long-lived servers
+
+    @classmethod
+    def from_pretrained(cls, model: str = "smollm2-135m-instruct", embedding_adapter: str | list[str] | None = None,
+                        embedding_model: str | None = None, **overrides: Any) -> "Engine":
+        """Load a decoder (built-in name, folder, .gguf or hub id), optional PEFT embedding adapters and an
+        optional separate encoder. `overrides` set EngineConfig fields or sub-config fields by name
+        (e.g. `max_num_batched_tokens=128`, `num_blocks=512`, `dtype="bfloat16"`)."""
+        from orthrus_rag.engine.loading import build_engine
+
+        adapters = [embedding_adapter] if isinstance(embedding_adapter, str) else list(embedding_adapter or [])
+        config = _config_from_overrides(ModelConfig(model=model, embedding_adapters=adapters,
+                                                    embedding_model=embedding_model), overrides)
+        return build_engine(config)
+
+    # ---- submission -------------------------------------------------------------------------------------
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def add_generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.inputs.prompt(prompt)
+        req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
+                      generator=make_generator(params.seed, self.config.model.device))
+        return self._add(req)
+
+    def add_embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
+                  request_id: str | None = None) -> str:
+        on_encoder = self.runner.encoder is not None and (params is None or params.adapter is None)
+        if params is None:
+            params = PoolingParams(**self.encoder_pooling) if on_encoder else PoolingParams()
+        slot = 0
+        if not on_encoder:
+            name = params.adapter or self.default_adapter
+            if name is not None and name not in self.adapter_slots:
+                raise ValueError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_slots) or 'none'}")
+            slot = self.adapter_slots.get(name, 0) if name else 0
+        ids = self.inputs.embed_input(text, params, on_encoder)
+        req = Request(request_id or self._new_id("emb"), RequestKind.EMBED, ids, pooling_params=params,
+                      adapter_slot=slot, on_encoder=on_encoder)
+        return self._add(req)
+
+    def _add(self, req: Request) -> str:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        self.scheduler.add(req)
+        return req.req_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
+        return True
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Output]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        stats = StepStats.from_schedule(self.num_steps, sched, len(self.scheduler.waiting),
+                                        len(self.scheduler.running), self.block_manager.num_used_blocks)
+        for s in sched.scheduled:
+            s.req.first_scheduled_time = s.req.first_scheduled_time or now
+        for req in sched.encoder:
+            req.first_scheduled_time = req.first_scheduled_time or now
+        result = self.runner.execute(sched)
+        for s in sched.scheduled:
+            s.req.num_computed_tokens += s.num_new_tokens
+        outputs = self._process(result, [s.req for s in sched.scheduled] + sched.encoder)
+        stats.step_time = time.monotonic() - now
+        self.step_stats.append(stats)
+        self.num_steps += 1
+        return outputs
+
+    def _process(self, result: RunnerOutput, reqs: list[Request]) -> list[Output]:
+        now = time.monotonic()
+        finished: list[Output] = []
+        for req in reqs:
+            if req.req_id in result.embeddings:
+                req.finish_reason = "stop"
+                finished.append(self._finish(req, now, result.embeddings[req.req_id]))
+            elif req.req_id in result.sampled:
+                req.output_token_ids.append(result.sampled[req.req_id])
+                req.first_token_time = req.first_token_time or now
+                reason = update_output(req, self.tokenizer, self.eos_token_ids)
+                if reason is not None:
+                    req.finish_reason = reason
+                    finished.append(self._finish(req, now))
+        return finished
+
+    def _finish(self, req: Request, now: float, embedding: torch.Tensor | None = None) -> Output:
+        req.status, req.finished_time = RequestStatus.FINISHED, now
+        self.scheduler.remove(req)
+        self.requests.pop(req.req_id, None)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, now)
+        if req.is_embed:
+            assert embedding is not None
+            return EmbeddingOutput(req.req_id, req.prompt_token_ids, embedding, metrics=metrics)
+        return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
+                                req.finish_reason, metrics)
+
+    def run_until_done(self, max_steps: int | None = None) -> dict[str, Output]:
+        """Step until every request finished; bounded by `max_steps` (default: enough for every token)."""
+        limit = max_steps if max_steps is not None else 10 + sum(
+            r.num_tokens + (r.sampling_params.max_tokens if r.sampling_params else 0) for r in self.requests.values()
+        ) * 4
+        outputs: dict[str, Output] = {}
+        for _ in range(limit):
+            if not self.has_unfinished():
+                return outputs
+            outputs.update((o.request_id, o) for o in self.step())
+        if self.has_unfinished():
+            raise RuntimeError(f"requests unfinished after {limit} steps")
+        return outputs
+
+    # ---- convenience APIs -------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str | Sequence[int]],
+                 params: SamplingParams | None = None) -> list[GenerationOutput]:
+        outs, _ = self.run(prompts=prompts, sampling_params=params)
+        return outs
+
+    def embed(self, texts: str | Sequence[str | Sequence[int]],
+              params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        _, outs = self.run(texts=texts, pooling_params=params)
+        return outs
+
+    def run(self, prompts: str | Sequence[str | Sequence[int]] = (), sampling_params: SamplingParams | None = None,
+            texts: str | Sequence[str | Sequence[int]] = (), pooling_params: PoolingParams | None = None,
+            ) -> tuple[list[GenerationOutput], list[EmbeddingOutput]]:
+        """Submit generations and embeddings together so they share engine steps; outputs in input order.
+        Every input is validated before any is submitted."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        gen_ids, emb_ids = [], []
+        try:
+            for p in prompts:
+                gen_ids.append(self.add_generate(p, sampling_params))
+            for t in texts:
+                emb_ids.append(self.add_embed(t, pooling_params))
+        except (ValueError, TypeError):
+            for rid in gen_ids + emb_ids:
+                self.abort(rid)
+            raise
+        outputs = self.run_until_done()
+        return [outputs[i] for i in gen_ids], [outputs[i] for i in emb_ids]
+
+
+def _config_from_overrides(model: ModelConfig, overrides: dict[str, Any]) -> EngineConfig:
+    parts: dict[str, Any] = {"model": model, "cache": CacheConfig(), "scheduler": SchedulerConfig()}
+    top: dict[str, Any] = {}
+    for key, value in overrides.items():
+        target = next((name for name, obj in parts.items() if hasattr(obj, key)), None)
+        if target is not None:
+            parts[target] = replace(parts[target], **{key: value})
+        elif key in EngineConfig.__dataclass_fields__:
+            top[key] = value
+        else:
+            raise ValueError(f"unknown engine option {key!r}")
+    return EngineConfig(**parts, **top)

@@ -1,0 +1,111 @@
+"""A request's state inside the engine: one type for both kinds, no phases (vLLM v1 semantics)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+
+class RequestKind(enum.Enum):
+    EMBED = "embed"
+    GENERATE = "generate"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Request:
+    """Tokens, computed tokens and a block table.
+
+    A step assigns `num_new_tokens` so that `num_computed_tokens` catches up with `num_tokens`; a generating
+    request whose prompt is done has exactly one uncomputed token (the last sampled one) each step.
+    `on_encoder` marks an embedding request for the separate (bidirectional) encoder: it runs whole.
+    """
+
+    req_id: str
+    kind: RequestKind
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None = None
+    pooling_params: PoolingParams | None = None
+    adapter_slot: int = 0  # 0: no adapter; i > 0: the i-th loaded LoRA adapter
+    on_encoder: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    # runtime state owned by the runner (pooler accumulators, RNG); opaque to the scheduler
+    pooler_state: Any = None
+    generator: Any = None
+    output_text: str = ""
+    # timing, filled by the engine
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def is_embed(self) -> bool:
+        return self.kind is RequestKind.EMBED
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to be run through the model before this request can make progress."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def is_decoding(self) -> bool:
+        """A generating request past its prompt: one token per step."""
+        return self.kind is RequestKind.GENERATE and self.num_computed_tokens >= self.num_prompt_tokens
+
+    def needs_kv(self, num_new_tokens: int) -> bool:
+        """Whether the tokens of this step must be written to the KV cache.
+
+        An embedding's final chunk is never attended to again, so it writes no KV; an embedding that fits in
+        one chunk needs no blocks at all. Encoder requests have no paged cache.
+        """
+        if self.on_encoder:
+            return False
+        if self.is_embed:
+            return self.num_computed_tokens + num_new_tokens < self.num_tokens
+        return True
+
+    def num_kv_tokens_after(self, num_new_tokens: int) -> int:
+        """How many tokens must have KV slots once this step's tokens are written."""
+        if not self.needs_kv(num_new_tokens):
+            return self.num_computed_tokens
+        return self.num_computed_tokens + num_new_tokens
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget the cache, keep the tokens (prompt and output so far)."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.pooler_state = None
+        self.status = RequestStatus.WAITING
+        self.num_preemptions += 1

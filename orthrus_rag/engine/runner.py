@@ -1,0 +1,155 @@
+"""Model runner: turns a scheduler decision into one flat token batch, runs it, and hands rows out.
+
+Generation rows whose known tokens are all computed go to the sampler; embedding rows go to their request's
+incremental pooler. Encoder requests (a separate bidirectional model) run in a second forward in the same
+step. The runner never decides who runs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from orthrus_rag.engine.request import Request
+from orthrus_rag.engine.scheduler import SchedulerOutput
+from orthrus_rag.layers.attention import AttentionMetadata, build_decode_group, build_packed_group
+from orthrus_rag.layers.context import ForwardContext, forward_context
+from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
+from orthrus_rag.layers.sampler import Sampler
+from orthrus_rag.models.llama import CausalLM
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # req_id -> new token
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> pooled result
+
+
+@dataclass
+class _FlatBatch:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    # per-sequence bookkeeping
+    packed: list[tuple[int, int, int, Request]] = field(default_factory=list)  # (seq, start row, n, req)
+    decode: list[tuple[int, Request]] = field(default_factory=list)  # (row, req)
+    lora_rows: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, encoder: torch.nn.Module | None = None) -> None:
+        self.model = model
+        self.encoder = encoder
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.windows = {layer.window for layer in model.attention_layers}
+        num_slots = num_blocks * block_size
+        for layer in model.attention_layers:
+            shape = (num_slots, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _slot(self, req: Request, pos: int) -> int:
+        return req.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _flatten(self, sched: SchedulerOutput) -> _FlatBatch:
+        b = _FlatBatch()
+        for seq, s in enumerate(sched.scheduled):
+            req, n, start = s.req, s.num_new_tokens, len(b.input_ids)
+            nc = req.num_computed_tokens
+            b.input_ids.extend(req.all_token_ids[nc:nc + n])
+            b.positions.extend(range(nc, nc + n))
+            writes = req.needs_kv(n)
+            b.slot_mapping.extend(self._slot(req, p) if writes else -1 for p in range(nc, nc + n))
+            if n == 1 and writes:
+                b.decode.append((start, req))
+            else:
+                b.packed.append((seq, start, n, req))
+            if req.adapter_slot:
+                b.lora_rows[req.adapter_slot].extend(range(start, start + n))
+        return b
+
+    def _attention_metadata(self, b: _FlatBatch) -> AttentionMetadata:
+        dev = self.device
+        meta = AttentionMetadata(num_tokens=len(b.input_ids),
+                                 slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev))
+        if b.packed:
+            rows, q_seq, cached_slots, k_seq = [], [], [], []
+            k_pos: list[int] = []
+            for seq, start, n, req in b.packed:
+                rows.extend(range(start, start + n))
+                q_seq.extend([seq] * n)
+                nc = req.num_computed_tokens
+                cached_slots.extend(self._slot(req, p) for p in range(nc))
+                k_seq.extend([seq] * nc)
+                k_pos.extend(range(nc))
+            t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+            rows_t = t(rows)
+            meta.packed = build_packed_group(rows_t, t(q_seq), t([b.positions[r] for r in rows]), t(cached_slots),
+                                             t(k_seq), t(k_pos), self.windows)
+        if b.decode:
+            seq_lens = [req.num_computed_tokens + 1 for _, req in b.decode]
+            width = max(seq_lens)
+            slots = [[self._slot(req, p) for p in range(L)] + [0] * (width - L)
+                     for (_, req), L in zip(b.decode, seq_lens)]
+            meta.decode = build_decode_group(torch.tensor([r for r, _ in b.decode], device=dev),
+                                             torch.tensor(slots, dtype=torch.long, device=dev),
+                                             torch.tensor(seq_lens, device=dev), self.windows)
+        return meta
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput()
+        if sched.scheduled:
+            self._run_decoder(sched, out)
+        if sched.encoder:
+            self._run_encoder(sched.encoder, out)
+        return out
+
+    def _run_decoder(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+        b = self._flatten(sched)
+        ctx = ForwardContext(attn=self._attention_metadata(b), lora_rows=[
+            (slot, torch.tensor(rows, dtype=torch.long, device=self.device)) for slot, rows in b.lora_rows.items()])
+        input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(b.positions, dtype=torch.long, device=self.device)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        # generation rows: the last row of every request whose known tokens are now all computed
+        sample_rows, sample_reqs = [], []
+        start = 0
+        for s in sched.scheduled:
+            req, n = s.req, s.num_new_tokens
+            if req.is_embed:
+                self._pool(req, hidden[start:start + n], positions[start:start + n], n, out)
+            elif req.num_computed_tokens + n == req.num_tokens:
+                sample_rows.append(start + n - 1)
+                sample_reqs.append(req)
+            start += n
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            tokens = self.sampler(logits, [r.sampling_params for r in sample_reqs],
+                                  [r.generator for r in sample_reqs]).tolist()
+            out.sampled.update((r.req_id, tok) for r, tok in zip(sample_reqs, tokens))
+
+    def _pool(self, req: Request, hidden: torch.Tensor, positions: torch.Tensor, n: int, out: RunnerOutput) -> None:
+        if req.pooler_state is None:
+            req.pooler_state = make_pooler_state(req.pooling_params, req.num_tokens)
+        req.pooler_state.update(hidden, positions)
+        if req.num_computed_tokens + n == req.num_tokens:
+            out.embeddings[req.req_id] = req.pooler_state.finish()
+
+    def _run_encoder(self, reqs: list[Request], out: RunnerOutput) -> None:
+        assert self.encoder is not None, "encoder requests without an encoder model"
+        ids = [tok for r in reqs for tok in r.prompt_token_ids]
+        positions = [p for r in reqs for p in range(r.num_tokens)]
+        seq_lens = [r.num_tokens for r in reqs]
+        hidden = self.encoder(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                              seq_lens)
+        start = 0
+        for req, n in zip(reqs, seq_lens):
+            out.embeddings[req.req_id] = pool_whole(hidden[start:start + n], req.pooling_params)
+            start += n

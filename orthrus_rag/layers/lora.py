@@ -1,0 +1,181 @@
+"""Several PEFT LoRA adapters on one shared backbone, applied per token row inside a single forward.
+
+Rows of the flat batch listed in ``ForwardContext.lora_rows`` under slot ``s`` get ``x @ A_s.T @ B_s.T * scale_s``
+added to the base projection; every other row sees the base weights only. Only plain LoRA on ``nn.Linear`` is
+supported; anything else in the adapter config is refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orthrus_rag.layers.context import get_forward_context
+
+logger = logging.getLogger(__name__)
+
+# "base_model.model.<module>.lora_A[.default].weight" -> (<module>, "A")
+_KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    rank: int
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
+    # module name -> (A [r, in], B [out, r])
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _check_config(cfg: dict, path: Path) -> None:
+    """Refuse adapter features this layer does not implement (they would change the output silently)."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported, only LORA")
+    refused = {
+        "use_dora": "DoRA (use_dora)",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights)",
+        "modules_to_save": "modules_to_save (fully trained extra modules)",
+        # NOTE: patterns give per-module rank/alpha, hence per-module scaling, which this format does not carry
+        "rank_pattern": "rank_pattern",
+        "alpha_pattern": "alpha_pattern",
+        "lora_bias": "lora_bias",
+        "layer_replication": "layer_replication",
+        "trainable_token_indices": "trainable_token_indices",
+        "use_qalora": "QA-LoRA (use_qalora)",
+        "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
+    }
+    for key, what in refused.items():
+        if cfg.get(key):
+            raise ValueError(f"{path}: {what} is not supported by orthrus_rag LoRA (got {key}={cfg[key]!r})")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"{path}: bias={cfg['bias']!r} is not supported, only 'none'")
+
+
+def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "adapter_model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "adapter_model.safetensors"))
+    if (path / "adapter_model.bin").is_file():
+        return torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"{path}: neither adapter_model.safetensors nor adapter_model.bin found")
+
+
+def load_peft_adapter(path: str | os.PathLike, name: str | None = None) -> LoRAAdapter:
+    """Read a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors/.bin) onto the CPU."""
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        raise ValueError(f"{path}: not a PEFT adapter folder (adapter_config.json missing)")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    _check_config(cfg, path)
+    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _load_state_dict(path).items():
+        m = _KEY_RE.match(key)
+        if m is None:
+            raise ValueError(f"{path}: unsupported adapter tensor {key!r} (only lora_A/lora_B of Linear layers)")
+        halves.setdefault(m["module"], {})[m["ab"]] = tensor
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{path}: module {module!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise ValueError(f"{path}: {module!r} has A {tuple(a.shape)}, B {tuple(b.shape)}; expected rank {rank}")
+        weights[module] = (a, b)
+    if not weights:
+        raise ValueError(f"{path}: adapter holds no LoRA weights")
+    adapter = LoRAAdapter(name=name or path.name, rank=rank, scaling=scaling, weights=weights)
+    logger.info("loaded LoRA adapter %r: r=%d scaling=%.4g, %d modules", adapter.name, rank, scaling, len(weights))
+    return adapter
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` that adds, per adapter slot, a low-rank update to the rows the forward context assigns it.
+
+    It takes over the base layer's own weight/bias Parameters, so state_dict keys, weight tying and
+    ``isinstance(m, nn.Linear)`` stay as before; the adapter tensors are non-persistent buffers.
+    """
+
+    def __init__(self, base: nn.Linear) -> None:
+        nn.Module.__init__(self)  # NOTE: skip nn.Linear.__init__, which would allocate a fresh weight
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.scalings: dict[int, float] = {}
+
+    def add_adapter(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        assert a.shape[1] == self.in_features and b.shape[0] == self.out_features  # checked by attach_adapters
+        like = dict(dtype=self.weight.dtype, device=self.weight.device)
+        self.register_buffer(f"lora_A_{slot}", a.to(**like).contiguous(), persistent=False)
+        self.register_buffer(f"lora_B_{slot}", b.to(**like).contiguous(), persistent=False)
+        self.scalings[slot] = scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        lora_rows = get_forward_context().lora_rows
+        if not lora_rows or not self.scalings:
+            return y
+        # rows index the flattened leading dims, so [B, S, in] and the engine's [T, in] are treated alike
+        x2, y2 = x.reshape(-1, self.in_features), y.reshape(-1, self.out_features)
+        for slot, rows in lora_rows:
+            scaling = self.scalings.get(slot)
+            if scaling is None or rows.numel() == 0:
+                continue  # this adapter does not target this module / has no rows this step
+            rows = rows.to(x.device)
+            a, b = getattr(self, f"lora_A_{slot}"), getattr(self, f"lora_B_{slot}")
+            delta = (x2.index_select(0, rows) @ a.T) @ b.T
+            y2.index_add_(0, rows, delta, alpha=scaling)
+        return y2.view(y.shape)
+
+
+def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, int]:
+    """Wrap every targeted Linear of ``model`` in a LoRALinear and give each adapter the next free slot.
+
+    Slots count from 1 per model and persist across calls; returns {adapter name: slot} for all attached ones.
+    All names are checked before anything is changed, so a bad adapter leaves the model untouched.
+    """
+    slots: dict[str, int] = getattr(model, "_lora_slots", {})
+    modules = dict(model.named_modules())
+    seen = set(slots)
+    for adapter in adapters:
+        if adapter.name in seen:
+            raise ValueError(f"LoRA adapter name {adapter.name!r} is already attached")
+        seen.add(adapter.name)
+        for module_name in adapter.weights:
+            target = modules.get(module_name)
+            if target is None:
+                raise ValueError(f"adapter {adapter.name!r} targets {module_name!r}, which is not in the model")
+            if not isinstance(target, nn.Linear):
+                raise ValueError(f"adapter {adapter.name!r} targets {module_name!r}, a "
+                                 f"{type(target).__name__}; only nn.Linear is supported")
+            a, b = adapter.weights[module_name]
+            if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
+                raise ValueError(f"adapter {adapter.name!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+                                 f"{module_name!r} ({target.in_features} -> {target.out_features})")
+
+    next_slot = max(slots.values(), default=0) + 1
+    for slot, adapter in enumerate(adapters, start=next_slot):
+        for module_name, (a, b) in adapter.weights.items():
+            target = modules[module_name]
+            if not isinstance(target, LoRALinear):
+                target = LoRALinear(target)
+                parent_name, _, child = module_name.rpartition(".")
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, target)
+                modules[module_name] = target
+            target.add_adapter(slot, a, b, adapter.scaling)
+        slots[adapter.name] = slot
+        logger.info("attached LoRA adapter %r as slot %d (%d modules)", adapter.name, slot, len(adapter.weights))
+    model._lora_slots = slots  # type: ignore[assignment]  # NOTE: lets a later call continue the numbering
+    return dict(slots)

@@ -1,0 +1,210 @@
+"""BERT-style bidirectional encoder over a flat (packed, unpadded) token batch.
+
+Parameter names mirror transformers' ``BertModel`` (without the pooler), so loading a
+checkpoint is a straight copy of tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, BertConfig
+from transformers.activations import ACT2FN
+
+# Checkpoint entries we do not model: the NSP pooler, MLM/NSP heads, the position_ids buffer.
+_IGNORED_PREFIXES = ("pooler.", "cls.")
+_IGNORED_SUFFIXES = ("position_ids",)
+_ROOTS = ("embeddings.", "encoder.", "pooler.", "cls.")
+
+
+class BertEmbeddings(nn.Module):
+    """word + position + token_type(0) embeddings, then LayerNorm."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # NOTE: every token is segment 0, so one row of the token-type table is broadcast.
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        # [T, H*D] -> [1, H, T, D]: the whole packed batch is one "sequence" for SDPA.
+        q, k, v = (p(x).view(t, self.num_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
+                   for p in (self.query, self.key, self.value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.squeeze(0).transpose(0, 1).reshape(t, -1)
+
+
+class BertSelfOutput(nn.Module):
+    """Projection + residual + LayerNorm (used after attention and after the MLP)."""
+
+    def __init__(self, in_size: int, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config.hidden_size, config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        # NOTE: ACT2FN["gelu"] is the exact erf GELU that BERT was trained with.
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertSelfOutput(config.intermediate_size, config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoderStack(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertEncoder(nn.Module):
+    """Bidirectional BERT encoder; attention stays within each packed sequence."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(f"hidden_size {config.hidden_size} is not divisible by "
+                             f"num_attention_heads {config.num_attention_heads}")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoderStack(config)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> BertEncoder:
+        """Build from a folder holding config.json and model.safetensors."""
+        config = AutoConfig.from_pretrained(str(path))
+        if not isinstance(config, BertConfig):
+            raise TypeError(f"{path}: expected a BERT config, got {type(config).__name__}")
+        with torch.device("meta"):
+            model = cls(config)
+        weights = load_file(str(Path(path) / "model.safetensors"), device=str(device))
+        state = {}
+        for key, tensor in weights.items():
+            key = _strip_prefix(key)
+            if not key.startswith(_IGNORED_PREFIXES) and not key.endswith(_IGNORED_SUFFIXES):
+                state[key] = tensor.to(dtype)
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(f"{path}/model.safetensors does not match BertEncoder: "
+                             f"missing keys {missing}, unexpected keys {unexpected}")
+        model.load_state_dict(state, assign=True)
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                seq_lens: list[int]) -> torch.Tensor:
+        """Packed [T] ids/positions (sequences back to back) -> last hidden states [T, hidden]."""
+        num_tokens = input_ids.shape[0]
+        if sum(seq_lens) != num_tokens or positions.shape[0] != num_tokens:
+            raise ValueError(f"seq_lens sum to {sum(seq_lens)} but input_ids has {num_tokens} "
+                             f"and positions {positions.shape[0]} tokens")
+        if num_tokens and int(positions.max()) >= self.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} exceeds the model's "
+                             f"max_position_embeddings {self.max_position_embeddings}")
+        mask = _block_diagonal_mask(seq_lens, input_ids.device)
+        x = self.embeddings(input_ids, positions)
+        for layer in self.encoder.layer:
+            x = layer(x, mask)
+        return x
+
+
+def _block_diagonal_mask(seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    """Boolean [T, T] mask, True where query and key belong to the same sequence."""
+    # NOTE: O(T^2) memory; fine for embedding batches of a few thousand tokens.
+    seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens), device=device),
+                                      torch.tensor(seq_lens, device=device))
+    return seq_ids[:, None] == seq_ids[None, :]
+
+
+def _strip_prefix(key: str) -> str:
+    """Drop wrappers such as "bert." or "0.auto_model." before the BertModel root names."""
+    for root in _ROOTS:
+        if key.startswith(root):
+            return key
+        idx = key.find("." + root)
+        if idx >= 0:
+            return key[idx + 1:]
+    return key
+
+
+def read_sentence_transformers_pooling(path: str | os.PathLike) -> dict:
+    """Pooling method and L2 normalisation from a sentence-transformers folder.
+
+    Returns {"pooling": "mean" | "cls" | "max" | "mean_sqrt_len" | "lasttoken" | ..., "normalize": bool}.
+    """
+    modules = json.loads((Path(path) / "modules.json").read_text())
+    pooling_module = next((m for m in modules if m["type"].endswith(".Pooling")), None)
+    if pooling_module is None:
+        raise ValueError(f"{path}/modules.json has no sentence_transformers Pooling module")
+    cfg = json.loads((Path(path) / pooling_module["path"] / "config.json").read_text())
+    # Newer sentence-transformers may store the mode as one string.
+    pooling = cfg.get("pooling_mode")
+    if pooling is None:
+        modes = [k[len("pooling_mode_"):] for k, v in cfg.items()
+                 if k.startswith("pooling_mode_") and v is True]
+        if len(modes) != 1:
+            raise ValueError(f"{path}: expected exactly one pooling mode, got {modes}")
+        pooling = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max",
+                   "mean_sqrt_len_tokens": "mean_sqrt_len"}.get(modes[0], modes[0])
+    normalize = any(m["type"].endswith(".Normalize") for m in modules)
+    return {"pooling": pooling, "normalize": normalize}

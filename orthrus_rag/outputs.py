@@ -1,0 +1,38 @@
+"""What the engine hands back for each finished request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop", "length", "abort"
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: torch.Tensor  # float32 [d] (or [n, d] for pooling="all" without a head)
+    finish_reason: str | None = "stop"
+    metrics: RequestMetrics | None = None

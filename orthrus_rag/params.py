@@ -1,0 +1,79 @@
+"""Per-request parameters: how to sample a generation, how to pool an embedding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+POOLING_TYPES = ("mean", "weighted_mean", "cls", "first", "last", "all")
+
+
+@dataclass
+class SamplingParams:
+    """How a generation request samples its tokens (vLLM semantics)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class PoolingParams:
+    """How an embedding request pools its hidden states.
+
+    `pooling`: mean | weighted_mean | cls | first | last | all.
+    `weights`: caller-given per-token weights for `weighted_mean` (default: SGPT position weights t = 1..n).
+    `head`: deterministic function applied to the [n, d] hidden states at the end, for `all`.
+    `instruction`: text prefixed to the input (query instructions, e.g. e5's "query: ").
+    `append_eos`: append the tokenizer's EOS before pooling (e5-mistral style `last` pooling); default: only
+    for `last`.
+    `adapter`: name of a loaded LoRA adapter; None picks the engine's default embedding adapter.
+    """
+
+    pooling: str = "mean"
+    normalize: bool = True
+    weights: Sequence[float] | None = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    instruction: str | None = None
+    append_eos: bool | None = None
+    adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"unknown pooling type {self.pooling!r}; expected one of {', '.join(POOLING_TYPES)}")
+        if self.weights is not None and self.pooling != "weighted_mean":
+            raise ValueError("weights are only used with pooling='weighted_mean'")
+        if self.head is not None and self.pooling != "all":
+            raise ValueError("a head is only applied with pooling='all'")
+
+    @property
+    def wants_eos(self) -> bool:
+        return self.append_eos if self.append_eos is not None else self.pooling == "last"

@@ -1,0 +1,1 @@
+"""RAG pipelines: Iter-RetGen, standard RAG, no retrieval (installed as `orthrus_rag.pipelines`)."""

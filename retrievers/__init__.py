@@ -1,0 +1,1 @@
+"""Dense retrieval over FAISS (installed as `orthrus_rag.retrievers`)."""
