@@ -32,12 +32,23 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
+    """Paged KV cache size: `num_blocks` blocks of `block_size` tokens, or (when num_blocks is None) as many
+    blocks as fit in `kv_cache_gib` of memory."""
+
     block_size: int = 16
-    num_blocks: int = 2048  # KV blocks of block_size tokens each
+    num_blocks: int | None = None
+    kv_cache_gib: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.num_blocks < 1:
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("block_size and num_blocks must be positive")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be positive")
+
+    def resolve_num_blocks(self, bytes_per_token: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return max(1, int(self.kv_cache_gib * (1 << 30)) // (bytes_per_token * self.block_size))
 
 
 @dataclass

@@ -45,15 +45,15 @@ class Engine:
         hf = model.config
         max_len = config.model.max_model_len or hf.max_position_embeddings
         cache = config.cache
-        self.block_manager = BlockManager(cache.num_blocks, cache.block_size)
+        num_blocks = cache.resolve_num_blocks(kv_bytes_per_token(model, config.model.torch_dtype))
+        self.block_manager = BlockManager(num_blocks, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, cache.num_blocks, cache.block_size, device, config.model.torch_dtype,
-                                  encoder)
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder)
         self.inputs = InputProcessor(
-            tokenizer, hf.vocab_size, max_len, cache.num_blocks * cache.block_size, encoder_tokenizer,
+            tokenizer, hf.vocab_size, max_len, num_blocks * cache.block_size, encoder_tokenizer,
             encoder.config.vocab_size if encoder is not None else 0,
             encoder.max_position_embeddings if encoder is not None else 0)
-        eos = hf.eos_token_id if hf.eos_token_id is not None else tokenizer.eos_token_id
+        eos = hf.eos_token_id if hf.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -211,6 +211,12 @@ class Engine:
             raise
         outputs = self.run_until_done()
         return [outputs[i] for i in gen_ids], [outputs[i] for i in emb_ids]
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """K and V bytes one token takes across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * layer.num_kv_heads * layer.head_dim * itemsize for layer in model.attention_layers)
 
 
 def _config_from_overrides(model: ModelConfig, overrides: dict[str, Any]) -> EngineConfig:

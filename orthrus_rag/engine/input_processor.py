@@ -22,6 +22,8 @@ class InputProcessor:
 
     @staticmethod
     def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError(f"{what} must be a string or a list of token ids, got {type(ids).__name__}")
         ids = list(ids)
         if not ids:
             raise ValueError(f"{what} is empty")
@@ -50,7 +52,7 @@ class InputProcessor:
             text = (params.instruction or "") + text
             ids = self._tokenize(tokenizer, text, "embedding input")
         else:
-            ids = list(text)
+            ids = self._check_ids(text, vocab, "embedding input")
             if params.instruction:
                 ids = tokenizer(params.instruction, add_special_tokens=False)["input_ids"] + ids
         ids = self._check_ids(ids, vocab, "embedding input")

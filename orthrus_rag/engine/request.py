@@ -81,8 +81,12 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        """A generating request past its prompt: one token per step."""
-        return self.kind is RequestKind.GENERATE and self.num_computed_tokens >= self.num_prompt_tokens
+        """A generating request with exactly its last sampled token to compute: one token per step.
+
+        NOTE: not `num_computed_tokens >= num_prompt_tokens`: a request recomputing after preemption also has
+        earlier output tokens to catch up on, and those go in chunks like a prompt."""
+        return (self.kind is RequestKind.GENERATE and self.num_computed_tokens > 0
+                and self.num_tokens - self.num_computed_tokens == 1 and bool(self.output_token_ids))
 
     def needs_kv(self, num_new_tokens: int) -> bool:
         """Whether the tokens of this step must be written to the KV cache.

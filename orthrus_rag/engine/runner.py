@@ -48,10 +48,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.windows = {layer.window for layer in model.attention_layers}
         num_slots = num_blocks * block_size
-        for layer in model.attention_layers:
-            shape = (num_slots, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # NOTE: zeros, not empty: padded decode slots are masked, but 0 * NaN garbage would still be NaN
+        self.kv_caches = [
+            (torch.zeros((num_slots, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device),
+             torch.zeros((num_slots, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
+            for layer in model.attention_layers]
+
+    def _bind_cache(self) -> None:
+        """Point the attention layers at this runner's cache (cheap; lets engines share one model)."""
+        for layer, (k, v) in zip(self.model.attention_layers, self.kv_caches):
+            layer.k_cache, layer.v_cache = k, v
 
     def _slot(self, req: Request, pos: int) -> int:
         return req.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -114,6 +120,7 @@ class ModelRunner:
         b = self._flatten(sched)
         ctx = ForwardContext(attn=self._attention_metadata(b), lora_rows=[
             (slot, torch.tensor(rows, dtype=torch.long, device=self.device)) for slot, rows in b.lora_rows.items()])
+        self._bind_cache()
         input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(b.positions, dtype=torch.long, device=self.device)
         with forward_context(ctx):

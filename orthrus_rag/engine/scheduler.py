@@ -59,29 +59,29 @@ class Scheduler:
     def _encoder_cost(self, req: Request) -> int:
         return max(1, math.ceil(req.num_tokens * self.config.encoder_token_weight))
 
-    def _preempt_newest(self, out: SchedulerOutput, protect: Request) -> bool:
-        """Free the newest running request that is not yet in this step; False if there is none."""
-        scheduled = {id(s.req) for s in out.scheduled}
-        for victim in reversed(self.running):
-            if victim is not protect and id(victim) not in scheduled:
-                self.running.remove(victim)
-                self.block_manager.free(victim)
-                victim.reset_for_recompute()
-                self.waiting.appendleft(victim)
-                out.preempted.append(victim)
-                return True
-        return False
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Preemption by recompute: free the blocks, back to the head of the queue. A victim already given a
+        chunk this step loses it (its tokens go back to the budget)."""
+        for i, s in enumerate(out.scheduled):
+            if s.req is victim:
+                out.num_batched_tokens -= s.num_new_tokens
+                del out.scheduled[i]
+                break
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
 
     def _schedule_running(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Give blocks to a running request, preempting newer ones if needed; False if `req` itself was
+        """Give blocks to a running request, preempting the newest running requests (newer than `req`: blocks
+        only flow from newer to older, so the oldest request always progresses); False if `req` itself was
         preempted."""
+        # NOTE: decodes are scheduled before older in-flight prefills, so a victim may already be in this step
         while not self.block_manager.can_allocate(req, num_new):
-            if not self._preempt_newest(out, protect=req):
-                self.running.remove(req)
-                self.block_manager.free(req)
-                req.reset_for_recompute()
-                self.waiting.appendleft(req)
-                out.preempted.append(req)
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
                 return False
         self.block_manager.allocate(req, num_new)
         out.scheduled.append(ScheduledRequest(req, num_new))
@@ -91,24 +91,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
+        # NOTE: the budget left is recomputed from `out`: preempting an already-scheduled victim refunds it
         # 1. decodes: one token each
         for req in [r for r in self.running if r.is_decoding]:
+            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
             if budget < 1 or len(out.scheduled) >= cfg.max_num_seqs:
                 break
-            if req in self.running and self._schedule_running(req, 1, out):
-                budget -= 1
+            if req in self.running:
+                self._schedule_running(req, 1, out)
         # 2. in-flight chunked requests continue before new ones
         for req in [r for r in self.running if not r.is_decoding]:
+            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
             if budget < 1 or len(out.scheduled) >= cfg.max_num_seqs:
                 break
             if req not in self.running:
                 continue
             num_new = min(req.num_remaining_tokens, budget, cfg.max_chunk_tokens)
-            if self._schedule_running(req, num_new, out):
-                budget -= num_new
-        # 3. new requests, in the policy's order
-        for req in self.order_waiting():
+            self._schedule_running(req, num_new, out)
+        budget = cfg.max_num_batched_tokens - out.num_batched_tokens
+        # 3. new requests, in the policy's order; none in a step that had to preempt (vLLM v1): the cache is
+        # full, and a victim re-admitted at once would only be preempted again
+        for req in self.order_waiting() if not out.preempted else []:
             if len(out.scheduled) + len(out.encoder) >= cfg.max_num_seqs:
                 break
             if req.on_encoder:

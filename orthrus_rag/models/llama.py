@@ -37,13 +37,19 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         rope = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            self.attention_scaling = 1.0
-        else:
-            # NOTE: scaled variants (llama3, yarn, ...) come from transformers' own table
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        # NOTE: computed on CPU even under an ambient `torch.device("meta")` (the loader builds the model there):
+        # transformers' scaled-rope functions call `.to("cpu")` on tensors that would otherwise be meta
+        if rope_type in ("dynamic", "longrope"):
+            # NOTE: these switch frequencies with the sequence length at run time; not implemented
+            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+        with torch.device("cpu"):
+            if rope_type == "default":
+                base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+                self.attention_scaling = 1.0
+            else:
+                # NOTE: scaled variants (llama3, yarn, ...) come from transformers' own table
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,56 @@
+"""Shared fixtures: each real model loads once per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+SMOL = "smollm2-135m-instruct"
+MINILM = "all-minilm-l6-v2"
+
+
+def engine_overrides(**kw: object) -> dict:
+    """Small-cache defaults for tests (the default 1 GiB cache is for real use)."""
+    base = {"num_blocks": 512, "max_num_batched_tokens": 64, "max_chunk_tokens": 32, "max_num_seqs": 32}
+    base.update(kw)
+    return base
+
+
+@pytest.fixture(scope="session")
+def smol_path():
+    from orthrus_rag.models.registry import resolve_model_path
+
+    return resolve_model_path(SMOL)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smol_path))
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smol_path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_engine():
+    from orthrus_rag import Engine
+
+    return Engine.from_pretrained(SMOL, **engine_overrides())
+
+
+@pytest.fixture
+def engine(smol_engine):
+    """The shared engine, checked to be idle and leak-free after each test."""
+    yield smol_engine
+    assert not smol_engine.has_unfinished()
+    assert smol_engine.block_manager.num_free_blocks == smol_engine.block_manager.num_blocks

@@ -1,0 +1,45 @@
+"""Greedy SmolLM2 generation through the engine equals transformers' generate."""
+
+from __future__ import annotations
+
+from orthrus_rag import SamplingParams
+from tests.parity import check_greedy_close, hf_greedy
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "List three fruits:",
+    "Question: what is the boiling point of water at sea level in degrees Celsius?\nAnswer:",
+    "Once upon a time in a small village by the sea, there lived an old fisherman who",
+    "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n",
+    " ".join(["The history of the printing press begins in the fifteenth century."] * 6),
+    " ".join(f"Item {i}: a short note about number {i}." for i in range(20)),
+]
+MAX_TOKENS = 12
+
+
+def test_greedy_matches_transformers_in_mixed_steps(engine, hf_smol, smol_tokenizer):
+    prompt_ids = [smol_tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert len({len(p) for p in prompt_ids}) == len(PROMPTS), "prompts should have different lengths"
+    outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    # the 64-token budget and 32-token chunks force steps where some prompts are mid-prefill while others decode
+    steps = list(engine.step_stats)[-40:]
+    assert any(s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in steps)
+    for ids, out in zip(prompt_ids, outs):
+        assert out.prompt_token_ids == ids
+        assert len(out.token_ids) == MAX_TOKENS and out.finish_reason == "length"
+        check_greedy_close(hf_smol, ids, out.token_ids, hf_greedy(hf_smol, ids, MAX_TOKENS))
+        assert out.text == smol_tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_and_text(engine):
+    out = engine.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=20, temperature=0.0, stop=[" 6"]))[0]
+    assert out.finish_reason == "stop"
+    assert " 6" not in out.text
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    a = engine.generate(["Tell me a story"], params)[0]
+    b = engine.generate(["Tell me a story", "Another prompt runs beside it"], params)[0]
+    assert a.token_ids == b.token_ids
