@@ -58,7 +58,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
     max_chunk_tokens: int = 256  # caps one request's chunk: bounds step latency
-    policy: str = "orthrus"
+    policy: str = "orthrus"  # orthrus | qlen-priority | hetero-fcfs | unified-homo
+    min_share: float = 0.1  # orthrus: least share of the residual budget for a non-empty kind
     encoder_token_weight: float = 0.25  # budget cost of one encoder token relative to one decoder token
 
     def __post_init__(self) -> None:
@@ -66,6 +67,12 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_chunk_tokens must be positive")
         if self.encoder_token_weight <= 0:
             raise ValueError("encoder_token_weight must be positive")
+        if not 0.0 <= self.min_share <= 0.5:
+            raise ValueError(f"min_share must be in [0, 0.5], got {self.min_share}")
+        from orthrus_rag.engine.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
 
 
 @dataclass

@@ -25,8 +25,9 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop", "length", "abort"
+    finish_reason: str | None  # "stop", "length", "abort"; None while streaming
     metrics: RequestMetrics | None = None
+    finished: bool = True  # False: a streaming snapshot (token_ids and text so far)
 
 
 @dataclass
@@ -36,3 +37,4 @@ class EmbeddingOutput:
     embedding: torch.Tensor  # float32 [d] (or [n, d] for pooling="all" without a head)
     finish_reason: str | None = "stop"
     metrics: RequestMetrics | None = None
+    finished: bool = True

@@ -236,6 +236,12 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
 
     # decodes first: every running decode gets its token while they all fit and nothing was preempted
     sched = {id(s.req): s.num_new_tokens for s in out.scheduled}
-    if not out.preempted and len(before.decodes) <= min(cfg.max_num_batched_tokens, cfg.max_num_seqs):
+    # (unified-homo: only in its generation steps; its embedding steps run no decode by design)
+    embed_step = any(s.req.is_embed for s in out.scheduled) or bool(out.encoder)
+    homo_embed_step = eng.scheduler.policy.name == "unified-homo" and embed_step
+    if homo_embed_step:
+        assert not any(not s.req.is_embed for s in out.scheduled), "unified-homo step mixed the kinds"
+    if (not out.preempted and not homo_embed_step
+            and len(before.decodes) <= min(cfg.max_num_batched_tokens, cfg.max_num_seqs)):
         for d in before.decodes:
             assert sched.get(id(d), 0) >= 1, f"running decode {d.req_id} skipped a step"

@@ -12,13 +12,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from orthrus_rag.config import SchedulerConfig
+from orthrus_rag.engine.policies import POLICIES
 from orthrus_rag.engine.request import Request, RequestStatus
 from tests.fake_steps import FakeEngine, fake_token, kind_key, make_request, max_blocks_needed
 
 
-def _cfg(budget: int, seqs: int = 64, chunk: int | None = None, weight: float = 0.25) -> SchedulerConfig:
+def _cfg(budget: int, seqs: int = 64, chunk: int | None = None, weight: float = 0.25,
+         policy: str = "orthrus") -> SchedulerConfig:
     return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, max_chunk_tokens=chunk or budget,
-                           encoder_token_weight=weight)
+                           encoder_token_weight=weight, policy=policy)
 
 
 def _check_completed(eng: FakeEngine) -> None:
@@ -71,7 +73,7 @@ def workloads(draw: st.DrawFn) -> tuple[FakeEngine, list]:
     num_blocks = need + draw(st.integers(0, 3 * need))
     budget = draw(st.integers(1, 128))
     cfg = _cfg(budget, seqs=draw(st.integers(1, 8)), chunk=draw(st.integers(1, 2 * budget)),
-               weight=draw(st.sampled_from([0.1, 0.25, 1.0, 2.0])))
+               weight=draw(st.sampled_from([0.1, 0.25, 1.0, 2.0])), policy=draw(st.sampled_from(POLICIES)))
     return FakeEngine(cfg, num_blocks, block_size), arrivals
 
 
@@ -84,6 +86,7 @@ def test_random_mixes_respect_budget_fcfs_and_finish(workload: tuple[FakeEngine,
     eng, arrivals = workload
     eng.run(arrivals)  # raises if a step schedules nothing with work pending or the step bound is passed
     event("preempted" if eng.num_preemptions else "no preemption")
+    event(eng.scheduler.policy.name)
     _check_completed(eng)
     _check_fcfs(eng)
     _check_restarts(eng)

@@ -78,11 +78,13 @@ class Engine:
         return f"{prefix}-{next(self._ids)}"
 
     def add_generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> str:
+                     request_id: str | None = None, stream: bool = False) -> str:
+        """Queue a generation; with `stream`, every step that samples a token for it also returns an
+        unfinished snapshot (`finished=False`)."""
         params = params or SamplingParams()
         ids = self.inputs.prompt(prompt)
         req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
-                      generator=make_generator(params.seed, self.config.model.device))
+                      generator=make_generator(params.seed, self.config.model.device), stream=stream)
         return self._add(req)
 
     def add_embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
@@ -121,6 +123,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Output]:
+        """Run one engine step; returns the outputs of requests that finished in it (and streaming snapshots)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -154,6 +157,9 @@ class Engine:
                 if reason is not None:
                     req.finish_reason = reason
                     finished.append(self._finish(req, now))
+                elif req.stream:
+                    finished.append(GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids),
+                                                     req.output_text, None, finished=False))
         return finished
 
     def _finish(self, req: Request, now: float, embedding: torch.Tensor | None = None) -> Output:
@@ -176,7 +182,7 @@ class Engine:
         for _ in range(limit):
             if not self.has_unfinished():
                 return outputs
-            outputs.update((o.request_id, o) for o in self.step())
+            outputs.update((o.request_id, o) for o in self.step() if o.finished)
         if self.has_unfinished():
             raise RuntimeError(f"requests unfinished after {limit} steps")
         return outputs

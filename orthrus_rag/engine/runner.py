@@ -31,7 +31,7 @@ class RunnerOutput:
 class _FlatBatch:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
+    slot_mapping: list[torch.Tensor] = field(default_factory=list)
     # per-sequence bookkeeping
     packed: list[tuple[int, int, int, Request]] = field(default_factory=list)  # (seq, start row, n, req)
     decode: list[tuple[int, Request]] = field(default_factory=list)  # (row, req)
@@ -59,8 +59,11 @@ class ModelRunner:
         for layer, (k, v) in zip(self.model.attention_layers, self.kv_caches):
             layer.k_cache, layer.v_cache = k, v
 
-    def _slot(self, req: Request, pos: int) -> int:
-        return req.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """Cache slots of positions [start, end) of `req` (vectorised: contexts can be thousands long)."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(req.block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _flatten(self, sched: SchedulerOutput) -> _FlatBatch:
         b = _FlatBatch()
@@ -70,7 +73,7 @@ class ModelRunner:
             b.input_ids.extend(req.all_token_ids[nc:nc + n])
             b.positions.extend(range(nc, nc + n))
             writes = req.needs_kv(n)
-            b.slot_mapping.extend(self._slot(req, p) if writes else -1 for p in range(nc, nc + n))
+            b.slot_mapping.append(self._slots(req, nc, nc + n) if writes else torch.full((n,), -1))
             if n == 1 and writes:
                 b.decode.append((start, req))
             else:
@@ -81,30 +84,30 @@ class ModelRunner:
 
     def _attention_metadata(self, b: _FlatBatch) -> AttentionMetadata:
         dev = self.device
-        meta = AttentionMetadata(num_tokens=len(b.input_ids),
-                                 slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev))
+        meta = AttentionMetadata(num_tokens=len(b.input_ids), slot_mapping=torch.cat(b.slot_mapping).to(dev))
         if b.packed:
-            rows, q_seq, cached_slots, k_seq = [], [], [], []
-            k_pos: list[int] = []
+            rows, q_seq, q_pos, cached_slots, k_seq, k_pos = [], [], [], [], [], []
             for seq, start, n, req in b.packed:
-                rows.extend(range(start, start + n))
-                q_seq.extend([seq] * n)
                 nc = req.num_computed_tokens
-                cached_slots.extend(self._slot(req, p) for p in range(nc))
-                k_seq.extend([seq] * nc)
-                k_pos.extend(range(nc))
-            t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-            rows_t = t(rows)
-            meta.packed = build_packed_group(rows_t, t(q_seq), t([b.positions[r] for r in rows]), t(cached_slots),
-                                             t(k_seq), t(k_pos), self.windows)
+                rows.append(torch.arange(start, start + n))
+                q_seq.append(torch.full((n,), seq))
+                q_pos.append(torch.arange(nc, nc + n))
+                cached_slots.append(self._slots(req, 0, nc))
+                k_seq.append(torch.full((nc,), seq))
+                k_pos.append(torch.arange(nc))
+            meta.packed = build_packed_group(*(torch.cat(x).to(dev) for x in (rows, q_seq, q_pos, cached_slots,
+                                                                              k_seq, k_pos)), self.windows)
         if b.decode:
-            seq_lens = [req.num_computed_tokens + 1 for _, req in b.decode]
-            width = max(seq_lens)
-            slots = [[self._slot(req, p) for p in range(L)] + [0] * (width - L)
-                     for (_, req), L in zip(b.decode, seq_lens)]
-            meta.decode = build_decode_group(torch.tensor([r for r, _ in b.decode], device=dev),
-                                             torch.tensor(slots, dtype=torch.long, device=dev),
-                                             torch.tensor(seq_lens, device=dev), self.windows)
+            seq_lens = torch.tensor([req.num_computed_tokens + 1 for _, req in b.decode])
+            width = int(seq_lens.max())
+            tables = torch.zeros((len(b.decode), -(-width // self.block_size)), dtype=torch.long)
+            for i, (_, req) in enumerate(b.decode):
+                tables[i, :len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.long)
+            pos = torch.arange(width)
+            # padding positions map to some valid slot; the mask hides them
+            slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            meta.decode = build_decode_group(torch.tensor([r for r, _ in b.decode], device=dev), slots.to(dev),
+                                             seq_lens.to(dev), self.windows)
         return meta
 
     @torch.inference_mode()

@@ -1,7 +1,8 @@
 """Token-budget scheduler: who runs this step and with how many tokens. Never touches tensors.
 
-Order per step: running decodes (one token each), then in-flight chunked requests, then waiting requests
-chosen by the policy and chunked to fill what is left of the budget (`max_chunk_tokens` caps a chunk).
+Order per step: running decodes (one token each), then the residual budget shared by the policy
+(orthrus_rag.engine.policies) between embedding and prompt work, in-flight chunked requests before new ones of
+their kind, each chunked to fill what is left (`max_chunk_tokens` caps a chunk).
 Encoder requests (separate bidirectional model) run whole; their tokens cost `encoder_token_weight` each.
 When KV blocks run out, the newest running request is preempted (recompute).
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
+from orthrus_rag.engine.policies import Policy, make_policy
 from orthrus_rag.engine.request import Request, RequestStatus
 
 
@@ -28,7 +30,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decoder rows, in batch order
     encoder: list[Request] = field(default_factory=list)  # whole-sequence encoder requests
     preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
+    num_batched_tokens: int = 0  # decoder + encoder tokens in the step
+    budget_used: int = 0  # against max_num_batched_tokens: encoder tokens count at their relative cost
 
     @property
     def is_empty(self) -> bool:
@@ -39,6 +42,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.policy: Policy = make_policy(config.policy, config.min_share)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # started decoder requests, oldest first
 
@@ -65,6 +69,7 @@ class Scheduler:
         for i, s in enumerate(out.scheduled):
             if s.req is victim:
                 out.num_batched_tokens -= s.num_new_tokens
+                out.budget_used -= s.num_new_tokens
                 del out.scheduled[i]
                 break
         self.running.remove(victim)
@@ -86,48 +91,73 @@ class Scheduler:
         self.block_manager.allocate(req, num_new)
         out.scheduled.append(ScheduledRequest(req, num_new))
         out.num_batched_tokens += num_new
+        out.budget_used += num_new
         return True
 
+    # ---- what the policies look at -------------------------------------------------------------------------
+    def pending(self, embed: bool) -> list[Request]:
+        """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission
+        order), then waiting ones (arrival order; preempted requests were put back at the front)."""
+        inflight = [r for r in self.running if r.is_embed == embed and not r.is_decoding]
+        return inflight + [r for r in self.waiting if r.is_embed == embed]
+
+    def remaining_cost(self, reqs: list[Request]) -> int:
+        """Budget tokens `reqs` still need (encoder tokens weighted by their relative cost)."""
+        return sum(self._encoder_cost(r) if r.on_encoder else r.num_remaining_tokens for r in reqs)
+
+    # ---- the step --------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
-        # NOTE: the budget left is recomputed from `out`: preempting an already-scheduled victim refunds it
+        allow_embed, allow_generate = self.policy.step_kinds(self)
         # 1. decodes: one token each
-        for req in [r for r in self.running if r.is_decoding]:
-            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
-            if budget < 1 or len(out.scheduled) >= cfg.max_num_seqs:
+        if allow_generate:
+            for req in [r for r in self.running if r.is_decoding]:
+                if self._budget_left(out) < 1 or len(out.scheduled) >= cfg.max_num_seqs:
+                    break
+                if req in self.running:
+                    self._schedule_running(req, 1, out)
+        # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
+        allowed = {True: allow_embed, False: allow_generate}
+        for lane in self.policy.lanes(self, self._budget_left(out)):
+            self._fill([r for r in lane.candidates if allowed[r.is_embed]], lane.cap, out)
+        self._fill([r for r in self.policy.fallback(self) if allowed[r.is_embed]], None, out)
+        return out
+
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - out.budget_used
+
+    def _fill(self, candidates: list[Request], cap: int | None, out: SchedulerOutput) -> None:
+        """Chunk candidates in order into at most `cap` budget tokens. In-flight requests continue (and may
+        preempt newer ones for blocks); waiting ones are admitted only while blocks are free and no preemption
+        happened this step (vLLM v1: a victim re-admitted at once would only be preempted again)."""
+        cfg = self.config
+        scheduled = {id(s.req) for s in out.scheduled} | {id(r) for r in out.encoder}
+        used = 0
+        for req in candidates:
+            left = self._budget_left(out) if cap is None else min(self._budget_left(out), cap - used)
+            if left < 1 or len(out.scheduled) + len(out.encoder) >= cfg.max_num_seqs:
                 break
-            if req in self.running:
-                self._schedule_running(req, 1, out)
-        # 2. in-flight chunked requests continue before new ones
-        for req in [r for r in self.running if not r.is_decoding]:
-            budget = cfg.max_num_batched_tokens - out.num_batched_tokens
-            if budget < 1 or len(out.scheduled) >= cfg.max_num_seqs:
-                break
-            if req not in self.running:
+            if id(req) in scheduled or req.is_finished:
                 continue
-            num_new = min(req.num_remaining_tokens, budget, cfg.max_chunk_tokens)
-            self._schedule_running(req, num_new, out)
-        budget = cfg.max_num_batched_tokens - out.num_batched_tokens
-        # 3. new requests, in the policy's order; none in a step that had to preempt (vLLM v1): the cache is
-        # full, and a victim re-admitted at once would only be preempted again
-        for req in self.order_waiting() if not out.preempted else []:
-            if len(out.scheduled) + len(out.encoder) >= cfg.max_num_seqs:
-                break
             if req.on_encoder:
                 cost = self._encoder_cost(req)
-                if cost > budget and not out.is_empty:
+                # NOTE: an encoder request never splits; one that exceeds the whole budget runs alone
+                if cost > left and not (out.is_empty and cost > cfg.max_num_batched_tokens):
                     break
-                budget -= cost
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 out.encoder.append(req)
                 out.num_batched_tokens += req.num_tokens
+                out.budget_used += cost
+                used += cost
                 continue
-            if budget < 1:
-                break
-            num_new = min(req.num_remaining_tokens, budget, cfg.max_chunk_tokens)
-            if not self.block_manager.can_allocate(req, num_new):
+            num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)
+            if req in self.running:
+                if self._schedule_running(req, num_new, out):
+                    used += num_new
+                continue
+            if out.preempted or not self.block_manager.can_allocate(req, num_new):
                 break
             self.block_manager.allocate(req, num_new)
             self.waiting.remove(req)
@@ -135,9 +165,5 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             out.num_batched_tokens += num_new
-            budget -= num_new
-        return out
-
-    def order_waiting(self) -> list[Request]:
-        """Admission order of waiting requests. Here: arrival order (the policies issue refines this)."""
-        return list(self.waiting)
+            out.budget_used += num_new
+            used += num_new

@@ -59,7 +59,7 @@ def build_packed_group(rows: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Ten
 
 def build_decode_group(rows: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
                        windows: set[int | None]) -> DecodeGroup:
-    k_pos = torch.arange(slots.shape[1])[None, :]
+    k_pos = torch.arange(slots.shape[1], device=slots.device)[None, :]
     q_pos = (seq_lens - 1)[:, None]
     base = k_pos <= q_pos
     masks: dict[int | None, torch.Tensor] = {}

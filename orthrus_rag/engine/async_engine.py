@@ -1,0 +1,282 @@
+"""An asyncio front end for the sync Engine: many coroutines share one engine loop running on its own thread.
+
+The Engine is not thread-safe, so one background thread owns it: it drains a thread-safe command queue (adds,
+aborts, stop), steps while work exists, and hands results back to the event loop with `call_soon_threadsafe`.
+Everything the event loop side keeps (the pending count, futures, stream queues) is touched only on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from orthrus_rag.engine.engine import Engine
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineQueueFull(RuntimeError):
+    """More unfinished requests than `max_pending`; retry later."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before it finished."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} was aborted")
+        self.request_id = request_id
+
+
+class EngineShutdown(RuntimeError):
+    """The AsyncEngine was shut down before the request finished."""
+
+
+class _Sink:
+    """Where one request's results go: a future (embed/generate) or a queue (stream). Event-loop side only."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue[Any] | None = None,
+                 future: asyncio.Future[Any] | None = None) -> None:
+        assert (queue is None) != (future is None)
+        self.request_id, self.queue, self.future = request_id, queue, future
+
+    def put(self, item: Any) -> None:
+        if self.queue is not None:
+            self.queue.put_nowait(item)
+        elif not self.future.done():  # NOTE: done when the awaiting caller was cancelled
+            if isinstance(item, BaseException):
+                self.future.set_exception(item)
+            else:
+                self.future.set_result(item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_pending: int = 1024) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self._engine = engine
+        self.max_pending = max_pending
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._closed = False
+        self._num_pending = 0  # event-loop side: submitted and not yet finished/failed
+        self._ids = itertools.count()
+        # engine-thread side
+        self._sinks: dict[str, _Sink] = {}
+        self._outbox: list[tuple[_Sink, Any, bool]] = []
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, max_pending: int = 1024, **kwargs: Any) -> "AsyncEngine":
+        return cls(Engine.from_pretrained(*args, **kwargs), max_pending=max_pending)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def num_pending(self) -> int:
+        return self._num_pending
+
+    # ---- public API (event loop) ------------------------------------------------------------------------
+    async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
+                    request_id: str | None = None) -> EmbeddingOutput:
+        sink = self._submit("embed", request_id, (text, params), stream=False)
+        return await self._await(sink)
+
+    async def embed_many(self, texts: Sequence[str | Sequence[int]],
+                         params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        return list(await asyncio.gather(*(self.embed(t, params) for t in texts)))
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> GenerationOutput:
+        sink = self._submit("generate", request_id, (prompt, params, False), stream=False)
+        return await self._await(sink)
+
+    async def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                              request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """Yield growing snapshots; the last has `finished=True` (finish_reason "abort" if aborted). Leaving
+        the loop early (break, cancellation) aborts the request."""
+        sink = self._submit("generate", request_id, (prompt, params, True), stream=True)
+        done = False
+        try:
+            while not done:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done and not self._closed:
+                self._commands.put(("abort", sink.request_id, None))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its blocks are freed at once. False if it is unknown or already finished."""
+        if self._closed:
+            return False
+        self._bind()
+        reply = self._loop.create_future()
+        self._commands.put(("abort", request_id, reply))
+        return await reply
+
+    async def shutdown(self) -> None:
+        """Stop the loop thread; unfinished requests fail with EngineShutdown. Idempotent."""
+        if self._closed:
+            if self._stopped is not None:
+                await asyncio.shield(self._stopped)
+            return
+        self._closed = True
+        if self._thread is None:
+            return
+        self._commands.put(("stop",))
+        await asyncio.shield(self._stopped)
+        self._thread.join()
+
+    async def __aenter__(self) -> "AsyncEngine":
+        self._bind()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # ---- event-loop helpers -----------------------------------------------------------------------------
+    def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._stopped = loop.create_future()
+            self._thread = threading.Thread(target=self._run, name="orthrus-async-engine", daemon=True)
+            self._thread.start()
+        elif loop is not self._loop:
+            raise RuntimeError("AsyncEngine is bound to another event loop")
+
+    def _submit(self, kind: str, request_id: str | None, args: tuple, stream: bool) -> _Sink:
+        if self._closed:
+            raise EngineShutdown("AsyncEngine is shut down")
+        self._bind()
+        if self._num_pending >= self.max_pending:
+            raise EngineQueueFull(f"{self._num_pending} requests are pending; the limit is {self.max_pending}")
+        rid = request_id or f"async-{kind}-{next(self._ids)}"
+        sink = _Sink(rid, queue=asyncio.Queue()) if stream else _Sink(rid, future=self._loop.create_future())
+        self._num_pending += 1
+        self._commands.put(("add", kind, args, sink))
+        return sink
+
+    async def _await(self, sink: _Sink) -> Any:
+        try:
+            return await sink.future
+        except asyncio.CancelledError:
+            if not self._closed:  # the caller gave up: free the engine's work too
+                self._commands.put(("abort", sink.request_id, None))
+            raise
+
+    def _deliver(self, batch: list[tuple[_Sink, Any, bool]]) -> None:
+        for sink, item, final in batch:
+            sink.put(item)
+            self._num_pending -= int(final)
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        cmds: list[tuple] = []
+        try:
+            while True:
+                # NOTE: block when idle (no busy spin); otherwise take whatever arrived and step
+                cmds = [] if self._engine.has_unfinished() else [self._commands.get()]
+                while True:
+                    try:
+                        cmds.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if any(cmd[0] == "stop" for cmd in cmds):
+                    break
+                for cmd in cmds:
+                    self._handle(cmd)
+                cmds = []
+                if self._engine.has_unfinished():
+                    self._step()
+                self._flush()
+        except Exception:  # NOTE: e.g. the event loop closed under us; don't leave callers or blocks behind
+            logger.exception("async engine loop failed")
+        finally:
+            self._close(cmds)
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "abort":
+            _, rid, reply = cmd
+            req = self._engine.requests.get(rid)
+            ok = self._engine.abort(rid)
+            sink = self._sinks.pop(rid, None)
+            if ok and sink is not None:
+                self._post(sink, GenerationOutput(rid, req.prompt_token_ids, list(req.output_token_ids),
+                                                  req.output_text, "abort") if sink.queue else RequestAborted(rid))
+            if reply is not None:
+                self._outbox.append((_Sink("", future=reply), ok, False))
+            return
+        _, kind, args, sink = cmd
+        try:
+            if kind == "embed":
+                self._engine.add_embed(*args, request_id=sink.request_id)
+            else:
+                prompt, params, stream = args
+                self._engine.add_generate(prompt, params, request_id=sink.request_id, stream=stream)
+        except Exception as exc:  # bad input: never reaches a step
+            self._post(sink, exc)
+            return
+        self._sinks[sink.request_id] = sink
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing %d in-flight requests", len(self._sinks))
+            for rid in list(self._engine.requests):
+                self._engine.abort(rid)
+            for sink in self._sinks.values():
+                self._post(sink, exc)
+            self._sinks.clear()
+            return
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                self._post(sink, out, final=out.finished)
+
+    def _post(self, sink: _Sink, item: Any, final: bool = True) -> None:
+        self._outbox.append((sink, item, final))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _close(self, cmds: list[tuple]) -> None:
+        """Fail everything still unfinished or queued, free the engine's blocks and signal the event loop."""
+        err = EngineShutdown("AsyncEngine was shut down before the request finished")
+        for rid in list(self._engine.requests):
+            self._engine.abort(rid)
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in cmds:
+            if cmd[0] == "add":
+                self._post(cmd[3], err)
+            elif cmd[0] == "abort" and cmd[2] is not None:
+                self._outbox.append((_Sink("", future=cmd[2]), False, False))
+        for sink in self._sinks.values():
+            self._post(sink, err)
+        self._sinks.clear()
+        self._outbox.append((_Sink("", future=self._stopped), None, False))
+        try:
+            self._flush()
+        except RuntimeError:  # the event loop is already closed: nobody is left to tell
+            pass
+

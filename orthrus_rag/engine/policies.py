@@ -1,0 +1,147 @@
+"""Scheduling policies: how the budget left after decodes is shared between embedding and prompt work.
+
+A policy never touches blocks or tensors: it looks at the pending requests of each kind (in-flight chunked
+requests first, then waiting ones in arrival order) and returns *lanes*, each a candidate list with a token
+cap. The scheduler fills the lanes in order, then hands any budget still left to every candidate
+(work-conserving), in `fallback` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from orthrus_rag.engine.request import Request
+
+if TYPE_CHECKING:
+    from orthrus_rag.engine.scheduler import Scheduler
+
+POLICIES = ("orthrus", "qlen-priority", "hetero-fcfs", "unified-homo")
+
+
+@dataclass
+class Lane:
+    candidates: list[Request]
+    cap: int  # at most this many budget tokens from this lane
+
+
+class Policy(Protocol):
+    name: str
+
+    def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
+        """(embedding work allowed, generation work allowed) this step."""
+
+    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+        """Candidate lists with caps, filled in order (kinds not allowed this step are skipped)."""
+
+    def fallback(self, sched: "Scheduler") -> list[Request]:
+        """Who may use budget the lanes left over."""
+
+
+def _interleave(a: list[Request], b: list[Request]) -> list[Request]:
+    out: list[Request] = []
+    for i in range(max(len(a), len(b))):
+        out += a[i:i + 1] + b[i:i + 1]
+    return out
+
+
+class _Base:
+    name = "base"
+
+    def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
+        return True, True
+
+    def fallback(self, sched: "Scheduler") -> list[Request]:
+        return _interleave(sched.pending(embed=True), sched.pending(embed=False))
+
+
+class OrthrusPolicy(_Base):
+    """The paper's intra-batch policy: the residual budget is split between the embedding queue and the prompt
+    queue in proportion to the tokens each still has to process. `min_share` guards the minority kind (the
+    paper's weak spot: embedding tail latency when generation dominates)."""
+
+    name = "orthrus"
+
+    def __init__(self, min_share: float = 0.1) -> None:
+        self.min_share = min_share
+
+    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+        embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
+        rem_e, rem_p = sched.remaining_cost(embed), sched.remaining_cost(prefill)
+        if rem_e + rem_p == 0:
+            return []
+        share_e = rem_e / (rem_e + rem_p)
+        if rem_e and rem_p:
+            share_e = min(max(share_e, self.min_share), 1.0 - self.min_share)
+        cap_e = round(residual * share_e)
+        lanes = [Lane(embed, cap_e), Lane(prefill, residual - cap_e)]
+        # NOTE: the kind whose oldest pending request arrived first fills first (it matters for max_num_seqs)
+        if prefill and (not embed or prefill[0].arrival_time < embed[0].arrival_time):
+            lanes.reverse()
+        return lanes
+
+
+class QueueLengthPriorityPolicy(_Base):
+    """The published code's rule: the kind with the larger queue length x fixed priority (embed 1, generate 4)
+    goes first and may take the whole budget."""
+
+    name = "qlen-priority"
+
+    def __init__(self, embed_priority: float = 1.0, generate_priority: float = 4.0) -> None:
+        self.embed_priority, self.generate_priority = embed_priority, generate_priority
+
+    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+        embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
+        lanes = [Lane(embed, residual), Lane(prefill, residual)]
+        if len(prefill) * self.generate_priority > len(embed) * self.embed_priority:
+            lanes.reverse()
+        return lanes
+
+
+class HeteroFCFSPolicy(_Base):
+    """One queue in arrival order (in-flight first), both kinds mixed in a batch, chunked."""
+
+    name = "hetero-fcfs"
+
+    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+        inflight = [r for r in sched.running if not r.is_decoding]
+        return [Lane(inflight + list(sched.waiting), residual)]  # waiting is in arrival order
+
+    def fallback(self, sched: "Scheduler") -> list[Request]:
+        return []
+
+
+class UnifiedHomoPolicy(_Base):
+    """One engine, but each step is all-embedding or all-generation (decodes + prompts); kinds alternate
+    when both have work, so neither starves."""
+
+    name = "unified-homo"
+
+    def __init__(self) -> None:
+        self._last_embed = False
+
+    def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
+        has_e = bool(sched.pending(embed=True))
+        has_g = bool(sched.pending(embed=False)) or any(r.is_decoding for r in sched.running)
+        embed = has_e and (not has_g or not self._last_embed)
+        self._last_embed = embed
+        return embed, not embed
+
+    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+        # the scheduler drops the kind that this step does not allow
+        return [Lane(sched.pending(embed=True), residual), Lane(sched.pending(embed=False), residual)]
+
+    def fallback(self, sched: "Scheduler") -> list[Request]:
+        return []
+
+
+def make_policy(name: str, min_share: float = 0.1) -> Policy:
+    if name == "orthrus":
+        return OrthrusPolicy(min_share)
+    if name == "qlen-priority":
+        return QueueLengthPriorityPolicy()
+    if name == "hetero-fcfs":
+        return HeteroFCFSPolicy()
+    if name == "unified-homo":
+        return UnifiedHomoPolicy()
+    raise ValueError(f"unknown scheduling policy {name!r}; expected one of {', '.join(POLICIES)}")

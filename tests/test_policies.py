@@ -1,0 +1,132 @@
+"""What each scheduling policy does with the budget left after decodes (fake runner, no model)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orthrus_rag.config import SchedulerConfig
+from orthrus_rag.engine.policies import POLICIES, make_policy
+from tests.fake_steps import FakeEngine, make_request
+
+
+def _engine(policy: str, budget: int = 100, chunk: int | None = None, min_share: float = 0.0,
+            seqs: int = 64) -> FakeEngine:
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=chunk or budget, max_num_seqs=seqs,
+                          policy=policy, min_share=min_share)
+    return FakeEngine(cfg, num_blocks=4096, block_size=16)
+
+
+def _split_step(eng: FakeEngine) -> tuple[int, int]:
+    """Run one step; (embedding tokens, prompt tokens) it scheduled."""
+    decodes = {id(r) for r in eng.scheduler.running if r.is_decoding}
+    out = eng.step()
+    embed = sum(s.num_new_tokens for s in out.scheduled if s.req.is_embed)
+    prefill = sum(s.num_new_tokens for s in out.scheduled if not s.req.is_embed and id(s.req) not in decodes)
+    return embed, prefill
+
+
+def test_orthrus_splits_by_remaining_tokens_not_request_counts():
+    eng = _engine("orthrus")
+    eng.add(make_request("g0", "generate", 100, max_tokens=4))  # one long prompt: 100 tokens
+    for i in range(3):  # three embeddings: 300 tokens
+        eng.add(make_request(f"e{i}", "embed", 100))
+    assert _split_step(eng) == (75, 25)
+
+
+def test_orthrus_min_share_guards_the_minority_kind():
+    eng = _engine("orthrus", min_share=0.2)
+    for i in range(20):
+        eng.add(make_request(f"g{i}", "generate", 500))
+    eng.add(make_request("e0", "embed", 50))
+    embed, prefill = _split_step(eng)
+    assert embed == 20 and prefill == 80  # the raw share would give the embedding 1 token of 100
+
+
+def test_qlen_priority_follows_the_published_rule():
+    eng = _engine("qlen-priority")
+    for i in range(3):
+        eng.add(make_request(f"e{i}", "embed", 100))
+    eng.add(make_request("g0", "generate", 100))
+    assert _split_step(eng) == (0, 100)  # 1 x 4 > 3 x 1: generation takes the whole budget first
+    eng = _engine("qlen-priority")
+    for i in range(5):
+        eng.add(make_request(f"e{i}", "embed", 100))
+    eng.add(make_request("g0", "generate", 100))
+    assert _split_step(eng) == (100, 0)  # 5 x 1 > 1 x 4
+
+
+def test_hetero_fcfs_is_one_queue_in_arrival_order():
+    eng = _engine("hetero-fcfs", budget=150)
+    eng.add(make_request("g0", "generate", 100))
+    eng.add(make_request("e0", "embed", 100))
+    eng.add(make_request("g1", "generate", 100))
+    out = eng.step()
+    assert [(s.req.req_id, s.num_new_tokens) for s in out.scheduled] == [("g0", 100), ("e0", 50)]
+
+
+def test_unified_homo_steps_never_mix_and_alternate():
+    eng = _engine("unified-homo", budget=64)
+    for i in range(4):
+        eng.add(make_request(f"g{i}", "generate", 40, max_tokens=6))
+        eng.add(make_request(f"e{i}", "embed", 40))
+    kinds = []
+    while eng.scheduler.has_unfinished():
+        out = eng.step()
+        embed_kinds = {s.req.is_embed for s in out.scheduled}
+        assert len(embed_kinds) == 1
+        kinds.append(embed_kinds.pop())
+    assert kinds[:4] == [True, False, True, False]
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
+        SchedulerConfig(policy="fifo")
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        make_policy("fifo")
+
+
+@st.composite
+def backlogs(draw: st.DrawFn) -> tuple[FakeEngine, int]:
+    budget = draw(st.integers(8, 256))
+    eng = _engine("orthrus", budget=budget, seqs=256)
+    for i in range(draw(st.integers(0, 8))):
+        eng.add(make_request(f"g{i}", "generate", draw(st.integers(1, 300)), max_tokens=draw(st.integers(1, 5))))
+    for i in range(draw(st.integers(0, 8))):
+        eng.add(make_request(f"e{i}", "embed", draw(st.integers(1, 300))))
+    return eng, budget
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(backlogs())
+def test_orthrus_split_follows_remaining_token_proportion(backlog: tuple[FakeEngine, int]) -> None:
+    """Every step (no chunk cap, blocks or seq limits binding): the embedding tokens equal the residual budget
+    times the embedding share of the remaining tokens (rounded), except that a kind with fewer tokens than its
+    share leaves the rest to the other (work-conserving)."""
+    eng, budget = backlog
+    for _ in range(2000):
+        if not eng.scheduler.has_unfinished():
+            return
+        decodes = [r for r in eng.scheduler.running if r.is_decoding]
+        rem_e = sum(r.num_remaining_tokens for r in eng.scheduler.pending(embed=True))
+        rem_p = sum(r.num_remaining_tokens for r in eng.scheduler.pending(embed=False))
+        residual = budget - len(decodes)
+        embed, prefill = _split_step(eng)
+        if rem_e + rem_p == 0 or residual <= 0:
+            continue
+        cap_e = round(residual * rem_e / (rem_e + rem_p))
+        want_e = min(rem_e, max(cap_e, residual - rem_p))
+        assert embed == want_e, (embed, want_e, rem_e, rem_p, residual)
+        assert prefill == min(rem_p, residual - embed)
+    raise AssertionError("workload did not finish")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_finishes_a_mixed_backlog(policy):
+    eng = _engine(policy, budget=32, chunk=16)
+    reqs = [make_request(f"g{i}", "generate", 20 + 7 * i, max_tokens=5) for i in range(5)]
+    reqs += [make_request(f"e{i}", "embed", 10 + 13 * i) for i in range(5)]
+    reqs += [make_request(f"x{i}", "encoder", 30) for i in range(3)]
+    eng.run([(i % 4, r, None) for i, r in enumerate(reqs)])
+    assert all(r.is_finished for r in reqs)
