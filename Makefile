@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/orthrus-rag demo
+	$(VENV)/bin/orthrus-rag run experiment=smoke
 
 test: install
 	$(PY) -m pytest -q

@@ -1,7 +1,8 @@
 """Console entry point `orthrus-rag`.
 
-`orthrus-rag demo` runs generations and embeddings together on the built-in offline models and shows how the
-engine's steps mixed them.
+    orthrus-rag run [overrides...]     answer a dataset's questions (Hydra; e.g. dataset=2wiki dataset.path=...)
+    orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
+    orthrus-rag demo                   generate and embed together on the built-in models, show the mixed steps
 """
 
 from __future__ import annotations
@@ -50,9 +51,48 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hydra(command: str, argv: list[str]) -> int:
+    """Compose the config with Hydra (overrides, --help, --cfg job, multirun) and call the plain function."""
+    import hydra
+    from omegaconf import DictConfig
+
+    from orthrus_rag import app
+    from orthrus_rag.app_config import register_configs
+
+    register_configs()
+
+    @hydra.main(version_base=None, config_path="pkg://orthrus_rag.conf", config_name="config")
+    def entry(cfg: DictConfig) -> None:
+        if command == "index":
+            print(f"index saved to {app.index(cfg)}")
+            return
+        summary = app.run(cfg)
+        from orthrus_rag.pipelines import format_table
+
+        print(format_table(summary))
+        eng = summary["engine"]
+        print(f"engine: {eng['num_steps']} steps, {eng['num_mixed_steps']} carried embedding and generation "
+              f"tokens together; records in {cfg.run_dir}")
+
+    sys.argv = [f"orthrus-rag {command}", *argv]
+    try:
+        entry()
+    except ValueError as exc:  # bad config values: say what is wrong, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orthrus-rag", description=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("run", "index"):
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        return _hydra(argv[0], argv[1:])
+    parser = argparse.ArgumentParser(prog="orthrus-rag", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="answer a dataset's questions (Hydra overrides follow)")
+    sub.add_parser("index", help="build a dataset's retrieval index (Hydra overrides follow)")
     p = sub.add_parser("demo", help="generate and embed together on the built-in models")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--embedding-model", default=None,

@@ -15,6 +15,15 @@ class RequestMetrics:
     finished_time: float | None
 
     @property
+    def queueing_time(self) -> float | None:
+        """Arrival to first scheduled step."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
     def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 

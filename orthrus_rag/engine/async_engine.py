@@ -1,13 +1,13 @@
-"""An asyncio front end for the sync Engine: many coroutines share one engine loop running on its own thread.
+"""An asyncio front end for the sync Engine: many coroutines share one engine owned by one background thread.
 
-The Engine is not thread-safe, so one background thread owns it: it drains a thread-safe command queue (adds,
-aborts, stop), steps while work exists, and hands results back to the event loop with `call_soon_threadsafe`.
-Everything the event loop side keeps (the pending count, futures, stream queues) is touched only on the loop.
+The thread drains a thread-safe command queue (add, abort, stop), steps while work exists and hands results to
+the event loop with `call_soon_threadsafe`; futures, stream queues and the pending count live on the loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -159,7 +159,7 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine is bound to another event loop")
 
     def _submit(self, kind: str, request_id: str | None, args: tuple, stream: bool) -> _Sink:
-        if self._closed:
+        if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
         if self._num_pending >= self.max_pending:
@@ -189,12 +189,7 @@ class AsyncEngine:
         try:
             while True:
                 # NOTE: block when idle (no busy spin); otherwise take whatever arrived and step
-                cmds = [] if self._engine.has_unfinished() else [self._commands.get()]
-                while True:
-                    try:
-                        cmds.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
+                cmds = self._drain([] if self._engine.has_unfinished() else [self._commands.get()])
                 if any(cmd[0] == "stop" for cmd in cmds):
                     break
                 for cmd in cmds:
@@ -208,17 +203,18 @@ class AsyncEngine:
         finally:
             self._close(cmds)
 
+    def _drain(self, cmds: list[tuple]) -> list[tuple]:
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
-            _, rid, reply = cmd
-            req = self._engine.requests.get(rid)
-            ok = self._engine.abort(rid)
-            sink = self._sinks.pop(rid, None)
-            if ok and sink is not None:
-                self._post(sink, GenerationOutput(rid, req.prompt_token_ids, list(req.output_token_ids),
-                                                  req.output_text, "abort") if sink.queue else RequestAborted(rid))
-            if reply is not None:
-                self._outbox.append((_Sink("", future=reply), ok, False))
+            ok = self._abort(cmd[1])
+            if cmd[2] is not None:
+                self._outbox.append((_Sink("", future=cmd[2]), ok, False))
             return
         _, kind, args, sink = cmd
         try:
@@ -228,28 +224,39 @@ class AsyncEngine:
                 prompt, params, stream = args
                 self._engine.add_generate(prompt, params, request_id=sink.request_id, stream=stream)
         except Exception as exc:  # bad input: never reaches a step
-            self._post(sink, exc)
+            self._outbox.append((sink, exc, True))
             return
         self._sinks[sink.request_id] = sink
+
+    def _abort(self, rid: str) -> bool:
+        req = self._engine.requests.get(rid)
+        if not self._engine.abort(rid):
+            return False
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:  # a stream ends with a finished "abort" output; an awaiter gets RequestAborted
+            out = GenerationOutput(rid, req.prompt_token_ids, list(req.output_token_ids), req.output_text, "abort")
+            self._outbox.append((sink, out if sink.queue is not None else RequestAborted(rid), True))
+        return True
 
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing %d in-flight requests", len(self._sinks))
-            for rid in list(self._engine.requests):
-                self._engine.abort(rid)
-            for sink in self._sinks.values():
-                self._post(sink, exc)
-            self._sinks.clear()
+            self._fail_all(exc)
             return
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
-                self._post(sink, out, final=out.finished)
+                self._outbox.append((sink, out, out.finished))
 
-    def _post(self, sink: _Sink, item: Any, final: bool = True) -> None:
-        self._outbox.append((sink, item, final))
+    def _fail_all(self, exc: BaseException) -> None:
+        """Abort every request in the engine (freeing its blocks) and fail its caller with `exc`."""
+        for rid in list(self._engine.requests):
+            self._engine.abort(rid)
+        for sink in self._sinks.values():
+            self._outbox.append((sink, exc, True))
+        self._sinks.clear()
 
     def _flush(self) -> None:
         if self._outbox:
@@ -259,24 +266,13 @@ class AsyncEngine:
     def _close(self, cmds: list[tuple]) -> None:
         """Fail everything still unfinished or queued, free the engine's blocks and signal the event loop."""
         err = EngineShutdown("AsyncEngine was shut down before the request finished")
-        for rid in list(self._engine.requests):
-            self._engine.abort(rid)
-        while True:
-            try:
-                cmds.append(self._commands.get_nowait())
-            except queue.Empty:
-                break
-        for cmd in cmds:
+        self._fail_all(err)
+        for cmd in self._drain(cmds):
             if cmd[0] == "add":
-                self._post(cmd[3], err)
+                self._outbox.append((cmd[3], err, True))
             elif cmd[0] == "abort" and cmd[2] is not None:
                 self._outbox.append((_Sink("", future=cmd[2]), False, False))
-        for sink in self._sinks.values():
-            self._post(sink, err)
-        self._sinks.clear()
         self._outbox.append((_Sink("", future=self._stopped), None, False))
-        try:
+        with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed already: nobody to tell
             self._flush()
-        except RuntimeError:  # the event loop is already closed: nobody is left to tell
-            pass
 

@@ -19,6 +19,7 @@ import torch
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
 from orthrus_rag.engine.detokenizer import update_output
+from orthrus_rag.engine.handoff import HandoffOutput, restore_generator
 from orthrus_rag.engine.input_processor import InputProcessor
 from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.runner import ModelRunner, RunnerOutput
@@ -29,7 +30,7 @@ from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, RequestMetric
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
-Output = GenerationOutput | EmbeddingOutput
+Output = GenerationOutput | EmbeddingOutput | HandoffOutput
 
 
 class Engine:
@@ -56,6 +57,7 @@ class Engine:
         eos = hf.eos_token_id if hf.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.requests: dict[str, Request] = {}
+        self._handoff_ids: set[str] = set()  # generations to hand off once their first token is sampled
         self._ids = itertools.count()
         self.num_steps = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)  # bounded: long-lived servers
@@ -78,14 +80,50 @@ class Engine:
         return f"{prefix}-{next(self._ids)}"
 
     def add_generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, stream: bool = False) -> str:
+                     request_id: str | None = None, stream: bool = False, handoff: bool = False) -> str:
         """Queue a generation; with `stream`, every step that samples a token for it also returns an
-        unfinished snapshot (`finished=False`)."""
+        unfinished snapshot (`finished=False`). With `handoff`, the step that samples its first token returns a
+        `HandoffOutput` (KV included, blocks freed) instead of continuing it, unless that token finished it."""
         params = params or SamplingParams()
         ids = self.inputs.prompt(prompt)
         req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
                       generator=make_generator(params.seed, self.config.model.device), stream=stream)
-        return self._add(req)
+        rid = self._add(req)
+        if handoff:
+            self._handoff_ids.add(rid)
+        return rid
+
+    def add_prefilled(self, handoff: HandoffOutput, request_id: str | None = None) -> str:
+        """Continue a generation another engine on the same model prefilled: its KV goes into this engine's
+        cache and it decodes from the next step on. Without free blocks now it is queued for recompute instead
+        (same tokens, just slower)."""
+        prompt = self.inputs.prompt(handoff.prompt_token_ids)
+        if not handoff.output_token_ids:
+            raise ValueError("a handed-off request needs its first sampled token")
+        req = Request(request_id or handoff.request_id, RequestKind.GENERATE, prompt,
+                      sampling_params=handoff.sampling_params, output_token_ids=list(handoff.output_token_ids),
+                      output_text=handoff.output_text,
+                      generator=restore_generator(handoff.generator_state, self.config.model.device))
+        if handoff.metrics is not None:
+            req.arrival_time = handoff.metrics.arrival_time
+            req.first_scheduled_time = handoff.metrics.first_scheduled_time
+            req.first_token_time = handoff.metrics.first_token_time
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        req.num_computed_tokens = handoff.num_computed_tokens
+        if not self.block_manager.can_allocate(req, 0):
+            logger.debug("no free KV blocks for handed-off request %s; queueing it for recompute", req.req_id)
+            req.num_computed_tokens = 0
+            return self._add(req)
+        self.block_manager.allocate(req, 0)
+        try:
+            self.runner.write_kv(req, *handoff.kv)
+        except ValueError:
+            self.block_manager.free(req)
+            raise
+        self.requests[req.req_id] = req
+        self.scheduler.add_running(req)
+        return req.req_id
 
     def add_embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                   request_id: str | None = None) -> str:
@@ -115,6 +153,7 @@ class Engine:
         if req is None:
             return False
         self.scheduler.remove(req)
+        self._handoff_ids.discard(request_id)
         req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
         return True
 
@@ -157,6 +196,8 @@ class Engine:
                 if reason is not None:
                     req.finish_reason = reason
                     finished.append(self._finish(req, now))
+                elif req.req_id in self._handoff_ids:
+                    finished.append(self._hand_off(req, now))
                 elif req.stream:
                     finished.append(GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids),
                                                      req.output_text, None, finished=False))
@@ -166,12 +207,26 @@ class Engine:
         req.status, req.finished_time = RequestStatus.FINISHED, now
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
+        self._handoff_ids.discard(req.req_id)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, now)
         if req.is_embed:
             assert embedding is not None
             return EmbeddingOutput(req.req_id, req.prompt_token_ids, embedding, metrics=metrics)
         return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
                                 req.finish_reason, metrics)
+
+    def _hand_off(self, req: Request, now: float) -> HandoffOutput:
+        """Stop `req` after its first token: copy its KV out, free its blocks, return what another engine needs."""
+        self._handoff_ids.discard(req.req_id)
+        kv = self.runner.read_kv(req)
+        req.status, req.finished_time = RequestStatus.FINISHED, now
+        self.scheduler.remove(req)
+        self.requests.pop(req.req_id, None)
+        assert req.sampling_params is not None
+        return HandoffOutput(
+            req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text, kv, req.sampling_params,
+            req.generator.get_state() if req.generator is not None else None,
+            RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, None))
 
     def run_until_done(self, max_steps: int | None = None) -> dict[str, Output]:
         """Step until every request finished; bounded by `max_steps` (default: enough for every token)."""
@@ -217,6 +272,16 @@ class Engine:
             raise
         outputs = self.run_until_done()
         return [outputs[i] for i in gen_ids], [outputs[i] for i in emb_ids]
+
+    # ---- the Deployment protocol (orthrus_rag.engine.deployments): an in-process engine holds no workers --------
+    def shutdown(self) -> None:
+        """Nothing to release in-process; lets benchmarks treat an Engine like the multi-process deployments."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:

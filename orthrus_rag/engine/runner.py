@@ -65,6 +65,23 @@ class ModelRunner:
         table = torch.tensor(req.block_table, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def read_kv(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy of K and V of `req`'s computed tokens: each [num_layers, num_tokens, kv_heads, head_dim], CPU."""
+        slots = self._slots(req, 0, req.num_computed_tokens).to(self.device)
+        return (torch.stack([k[slots] for k, _ in self.kv_caches]).cpu(),
+                torch.stack([v[slots] for _, v in self.kv_caches]).cpu())
+
+    def write_kv(self, req: Request, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V (as `read_kv` returns them) into `req`'s slots for its computed tokens."""
+        expected = (len(self.kv_caches), req.num_computed_tokens, *self.kv_caches[0][0].shape[1:])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"KV of shape {tuple(k.shape)} / {tuple(v.shape)} does not fit this model's cache: "
+                             f"expected {expected}")
+        slots = self._slots(req, 0, req.num_computed_tokens).to(self.device)
+        for i, (k_cache, v_cache) in enumerate(self.kv_caches):
+            k_cache[slots] = k[i].to(device=self.device, dtype=k_cache.dtype)
+            v_cache[slots] = v[i].to(device=self.device, dtype=v_cache.dtype)
+
     def _flatten(self, sched: SchedulerOutput) -> _FlatBatch:
         b = _FlatBatch()
         for seq, s in enumerate(sched.scheduled):

@@ -49,6 +49,14 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """Admit a decoding request whose KV is already in its blocks (handed over from another engine) straight
+        to the running list: it gets one token per step from the next step on."""
+        assert req.is_decoding, "add_running() takes a request with only its last sampled token to compute"
+        assert len(req.block_table) * self.block_manager.block_size >= req.num_computed_tokens, "KV without blocks"
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -41,3 +41,19 @@ class StepStats:
         return cls(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
                    len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
                    kv_blocks_used)
+
+
+def summarize_steps(steps: list[StepStats]) -> dict[str, float]:
+    """Totals over a run's steps: tokens of each kind, mixed steps, busy time (for metrics and benchmarks)."""
+    n = len(steps)
+    return {
+        "num_steps": n,
+        "num_mixed_steps": sum(s.is_mixed for s in steps),
+        "embed_tokens": sum(s.num_embed_tokens for s in steps),
+        "prefill_tokens": sum(s.num_prefill_tokens for s in steps),
+        "decode_tokens": sum(s.num_decode_tokens for s in steps),
+        "encoder_tokens": sum(s.num_encoder_tokens for s in steps),
+        "num_preempted": sum(s.num_preempted for s in steps),
+        "busy_time": sum(s.step_time for s in steps),
+        "max_kv_blocks_used": max((s.kv_blocks_used for s in steps), default=0),
+    }

@@ -1,0 +1,1 @@
+"""Hydra configuration groups (installed as `orthrus_rag.conf`, found from any install)."""

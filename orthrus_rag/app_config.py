@@ -1,0 +1,116 @@
+"""Structured configs for the `orthrus-rag` CLI (registered in Hydra's ConfigStore as `schema`): typos and
+wrong types fail at compose time, and `validate` catches bad values before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orthrus_rag.engine.policies import POLICIES
+
+DATASETS = ("synthetic", "2wiki", "hotpotqa")
+INDEX_TYPES = ("flat", "ivf", "hnsw")
+PIPELINES = ("iter_retgen", "standard_rag", "no_retrieval")
+
+
+@dataclass
+class DatasetConf:
+    name: str = "synthetic"
+    path: str | None = None  # a local JSONL file (2Wiki / HotpotQA format); None: the hub (or the generator)
+    hub_id: str | None = None
+    split: str | None = None
+    limit: int | None = None  # the first N questions
+    num_questions: int = 60  # synthetic only
+    seed: int = 0  # synthetic only
+
+
+@dataclass
+class ModelConf:
+    name: str = "smollm2-135m-instruct"
+    embedding_model: str | None = "all-minilm-l6-v2"  # a separate encoder; None: embed with the backbone
+    embedding_adapter: str | None = None  # PEFT adapter folder for backbone embeddings
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+
+
+@dataclass
+class EngineConf:
+    policy: str = "orthrus"
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    max_chunk_tokens: int = 256
+    min_share: float = 0.1
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    max_pending: int = 8192
+
+
+@dataclass
+class RetrieverConf:
+    index_type: str = "flat"
+    k: int = 5
+    nlist: int = 64
+    nprobe: int = 8
+    hnsw_m: int = 32
+    index_dir: str | None = None  # load this prebuilt index (built by `orthrus-rag index`) instead of building
+    pooling: str = "mean"
+    query_instruction: str | None = None
+
+
+@dataclass
+class PipelineConf:
+    name: str = "iter_retgen"
+    iterations: int = 2
+    max_tokens: int = 96
+    temperature: float = 0.0
+    max_concurrency: int | None = None  # None: every question at once
+    chat_template: bool = True
+
+
+@dataclass
+class AppConf:
+    dataset: DatasetConf = field(default_factory=DatasetConf)
+    model: ModelConf = field(default_factory=ModelConf)
+    engine: EngineConf = field(default_factory=EngineConf)
+    retriever: RetrieverConf = field(default_factory=RetrieverConf)
+    pipeline: PipelineConf = field(default_factory=PipelineConf)
+    run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"
+    seed: int = 0
+    progress: bool = True
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema", node=AppConf)
+
+
+def _choice(value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+
+
+def validate(cfg: Any) -> None:
+    """Check values that the schema's types cannot, before anything heavy happens."""
+    _choice(cfg.dataset.name, DATASETS, "dataset")
+    if cfg.dataset.path is not None and not Path(cfg.dataset.path).is_file():
+        raise ValueError(f"dataset.path: no such file: {cfg.dataset.path}")
+    if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
+        raise ValueError(f"dataset.limit must be at least 1, got {cfg.dataset.limit}")
+    if cfg.dataset.num_questions < 1:
+        raise ValueError(f"dataset.num_questions must be at least 1, got {cfg.dataset.num_questions}")
+    _choice(cfg.engine.policy, POLICIES, "engine.policy")
+    _choice(cfg.retriever.index_type, INDEX_TYPES, "retriever.index_type")
+    if cfg.retriever.k < 1:
+        raise ValueError(f"retriever.k must be at least 1, got {cfg.retriever.k}")
+    if cfg.retriever.index_dir is not None and not Path(cfg.retriever.index_dir).is_dir():
+        raise ValueError(f"retriever.index_dir: no such folder: {cfg.retriever.index_dir}")
+    _choice(cfg.pipeline.name, PIPELINES, "pipeline")
+    if cfg.pipeline.iterations < 1:
+        raise ValueError(f"pipeline.iterations must be at least 1, got {cfg.pipeline.iterations}")
+    if cfg.pipeline.max_tokens < 1:
+        raise ValueError(f"pipeline.max_tokens must be at least 1, got {cfg.pipeline.max_tokens}")
+    if cfg.model.embedding_adapter is not None and not Path(cfg.model.embedding_adapter).is_dir():
+        raise ValueError(f"model.embedding_adapter: no such folder: {cfg.model.embedding_adapter}")

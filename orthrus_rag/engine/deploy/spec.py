@@ -1,0 +1,91 @@
+"""What the deployments share: the `Deployment` protocol, the picklable engine recipe, work items and errors."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from orthrus_rag.config import EngineConfig, ModelConfig
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from orthrus_rag.engine.engine import Engine
+
+Inputs = str | Sequence[str | Sequence[int]]
+
+
+@runtime_checkable
+class Deployment(Protocol):
+    """One way to serve a mixed workload: the in-process `Engine`, `DedicatedDeployment`, `DisaggPDDeployment`."""
+
+    def run(self, prompts: Inputs = (), sampling_params: SamplingParams | None = None, texts: Inputs = (),
+            pooling_params: PoolingParams | None = None) -> tuple[list[GenerationOutput], list[EmbeddingOutput]]:
+        """Serve generations and embeddings submitted together; outputs in input order."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release workers (idempotent)."""
+        ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """`Engine.from_pretrained` arguments: a recipe a spawned worker process can rebuild an engine from."""
+
+    model: str = "smollm2-135m-instruct"
+    embedding_adapter: tuple[str, ...] = ()
+    embedding_model: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def config(self) -> EngineConfig:
+        from orthrus_rag.engine.engine import _config_from_overrides
+
+        model = ModelConfig(model=self.model, embedding_adapters=list(self.embedding_adapter),
+                            embedding_model=self.embedding_model)
+        return _config_from_overrides(model, self.overrides)
+
+
+def build_engine_for(spec: EngineSpec | EngineConfig, num_threads: int) -> "Engine":
+    """The engine a worker runs, with torch limited to `num_threads` intra-op threads."""
+    from orthrus_rag.engine.loading import build_engine
+
+    config = spec.config() if isinstance(spec, EngineSpec) else spec
+    return build_engine(replace(config, num_threads=num_threads))
+
+
+@dataclass
+class WorkItem:
+    """One request of a `run()` call, as sent to a worker; `index` is its place in the caller's list."""
+
+    index: int
+    request_id: str
+    kind: str  # "generate" | "embed"
+    input: str | list[int]
+    params: SamplingParams | PoolingParams | None
+
+
+class WorkerError(RuntimeError):
+    """A deployment's worker rejected a request, failed or disappeared; `remote_traceback` is its side."""
+
+    def __init__(self, message: str, remote_traceback: str | None = None) -> None:
+        super().__init__(message if remote_traceback is None else f"{message}\n--- worker traceback ---\n"
+                         f"{remote_traceback.rstrip()}")
+        self.remote_traceback = remote_traceback
+
+
+def dumps(message: tuple) -> bytes:
+    """Pickle a message in the sender, so an unpicklable argument fails in the caller, not in a queue's feeder
+    thread. NOTE: plain pickle copies tensors by value (torch's ForkingPickler would move them to shared memory,
+    whose file descriptors must outlive the receive)."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(raw: bytes) -> tuple:
+    return pickle.loads(raw)

@@ -1,0 +1,196 @@
+"""The embedding seam of retrieval: an `Embedder` protocol and `EngineEmbedder`, which embeds through an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.engine.engine import Engine
+from orthrus_rag.params import PoolingParams
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Turns documents and queries into vectors of one space.
+
+    `identity` says what built the vectors (model, adapter, pooling, normalize, dimension, query instruction);
+    an index saved with one identity is only searched with an embedder of the same identity.
+    """
+
+    identity: dict[str, Any]
+
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        """float32 [n, d]."""
+        ...
+
+    def embed_query(self, text: str) -> np.ndarray:
+        """float32 [d]."""
+        ...
+
+    async def aembed_documents(self, texts: list[str]) -> np.ndarray: ...
+
+    async def aembed_query(self, text: str) -> np.ndarray: ...
+
+
+def batches(items: Sequence[Any], batch_size: int, desc: str) -> Iterator[Sequence[Any]]:
+    """Yield `items` in slices of `batch_size` under a tqdm bar (off when not a tty or when one batch does)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    quiet = len(items) <= batch_size or not sys.stderr.isatty()
+    with tqdm(total=len(items), desc=desc, unit="text", disable=quiet) as bar:
+        for start in range(0, len(items), batch_size):
+            chunk = items[start:start + batch_size]
+            yield chunk
+            bar.update(len(chunk))
+
+
+class EngineEmbedder:
+    """An `Embedder` over an orthrus `Engine` (sync) or `AsyncEngine`.
+
+    Documents and queries pool with their own `PoolingParams` (e.g. queries with an instruction prefix); both
+    must run on the same model and adapter. Defaults: the engine's encoder pooling when it has a separate
+    embedding model, else mean pooling with L2 normalisation on the decoder.
+    """
+
+    def __init__(self, engine: Engine | AsyncEngine, document_params: PoolingParams | None = None,
+                 query_params: PoolingParams | None = None, batch_size: int = 256,
+                 dimension: int | None = None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.aengine = engine if isinstance(engine, AsyncEngine) else None
+        self.engine: Engine = engine.engine if isinstance(engine, AsyncEngine) else engine
+        if self.aengine is not None:  # NOTE: embed_many submits a whole batch; stay under the pending cap
+            batch_size = min(batch_size, self.aengine.max_pending)
+        self.batch_size = batch_size
+        on_encoder = self.engine.runner.encoder is not None
+        default = PoolingParams(**self.engine.encoder_pooling) if on_encoder else PoolingParams()
+        self.document_params = document_params or default
+        self.query_params = query_params or replace(self.document_params)
+        for params in (self.document_params, self.query_params):
+            if params.pooling == "all" and params.head is None:
+                raise ValueError("pooling='all' without a head gives one vector per token; pass a head")
+        route = self._route(self.document_params)
+        if route != self._route(self.query_params):
+            raise ValueError(f"documents embed on {route} but queries on {self._route(self.query_params)}; "
+                             "both must use the same model and adapter")
+        self._lock = threading.Lock()  # the sync Engine is not thread-safe (aembed_* run it in threads)
+        self.identity: dict[str, Any] = self._identity(route, dimension)
+
+    # ---- identity ---------------------------------------------------------------------------------------
+    def _route(self, params: PoolingParams) -> str:
+        """Where `params` embed: "encoder", "decoder" or "decoder+<adapter>" (mirrors Engine.add_embed)."""
+        if self.engine.runner.encoder is not None and params.adapter is None:
+            return "encoder"
+        adapter = params.adapter or self.engine.default_adapter
+        return f"decoder+{adapter}" if adapter else "decoder"
+
+    def _identity(self, route: str, dimension: int | None) -> dict[str, Any]:
+        mc = self.engine.config.model
+        doc, query = self.document_params, self.query_params
+        if dimension is None:
+            if doc.pooling == "all":  # a head may change the width: ask the engine once
+                dimension = int(self._embed_sync(["dimension probe"], doc).shape[1])
+            elif route == "encoder":
+                dimension = int(self.engine.runner.encoder.hidden_size)
+            else:
+                dimension = int(self.engine.runner.model.config.hidden_size)
+        return {
+            "kind": "engine",
+            "model": mc.model,
+            "embedding_model": mc.embedding_model if route == "encoder" else None,
+            "adapters": list(mc.embedding_adapters),
+            "adapter": route.partition("+")[2] or None,
+            "pooling": doc.pooling,
+            "normalize": doc.normalize,
+            "document_instruction": doc.instruction,
+            "query_pooling": query.pooling,
+            "query_normalize": query.normalize,
+            "query_instruction": query.instruction,
+            "append_eos": doc.wants_eos,
+            "head": _name(doc.head),
+            "dimension": dimension,
+        }
+
+    # ---- sync -------------------------------------------------------------------------------------------
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        return self._embed_sync(list(texts), self.document_params)
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return self._embed_sync([text], self.query_params)[0]
+
+    def embed_queries(self, texts: list[str]) -> np.ndarray:
+        """Many queries submitted together, so they share engine steps."""
+        return self._embed_sync(list(texts), self.query_params)
+
+    def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
+        if self.aengine is not None:
+            return self._embed_via_async(texts, params)
+        parts = []
+        for chunk in batches(texts, self.batch_size, "embedding"):
+            with self._lock:
+                parts.append(_stack(self.engine.embed(list(chunk), params)))
+        return _concat(parts)
+
+    def _embed_via_async(self, texts: list[str], params: PoolingParams) -> np.ndarray:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("sync embedding on an AsyncEngine inside its event loop would block it; "
+                               "await aembed_documents / aembed_query instead")
+        # NOTE: the AsyncEngine starts its loop thread on first use; until then the sync engine is ours to run
+        loop: asyncio.AbstractEventLoop | None = getattr(self.aengine, "_loop", None)
+        if loop is None:
+            return _concat([_stack(self.engine.embed(list(c), params))
+                            for c in batches(texts, self.batch_size, "embedding")])
+        if loop.is_closed() or not loop.is_running():
+            raise RuntimeError("the AsyncEngine's event loop is not running; embed from inside it (async API)")
+        return asyncio.run_coroutine_threadsafe(self._aembed(texts, params), loop).result()
+
+    # ---- async ------------------------------------------------------------------------------------------
+    async def aembed_documents(self, texts: list[str]) -> np.ndarray:
+        return await self._aembed(list(texts), self.document_params)
+
+    async def aembed_query(self, text: str) -> np.ndarray:
+        return (await self._aembed([text], self.query_params))[0]
+
+    async def aembed_queries(self, texts: list[str]) -> np.ndarray:
+        return await self._aembed(list(texts), self.query_params)
+
+    async def _aembed(self, texts: list[str], params: PoolingParams) -> np.ndarray:
+        if self.aengine is None:  # a sync engine: run it off the event loop
+            return await asyncio.to_thread(self._embed_sync, texts, params)
+        parts = [_stack(await self.aengine.embed_many(list(c), params))
+                 for c in batches(texts, self.batch_size, "embedding")]
+        return _concat(parts)
+
+
+def _stack(outputs: Sequence[Any]) -> np.ndarray:
+    vectors = [o.embedding.detach().float().cpu().numpy() for o in outputs]
+    if any(v.ndim != 1 for v in vectors):
+        raise ValueError("the engine returned per-token embeddings; use a pooling that gives one vector")
+    return np.stack(vectors).astype(np.float32, copy=False)
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return np.zeros((0, 0), dtype=np.float32)
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+def _name(fn: Any) -> str | None:
+    if fn is None:
+        return None
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
