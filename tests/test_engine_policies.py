@@ -1,0 +1,42 @@
+"""Policies change timing, never results: one mixed workload on the real model under every policy gives
+identical greedy tokens and embeddings."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from orthrus_rag import Engine, PoolingParams, SamplingParams
+from orthrus_rag.engine.policies import POLICIES
+
+PROMPTS = ["The tallest mountain on Earth is", "Write a short poem about rain:",
+           " ".join(["A long prompt about the history of trains."] * 6), "2 + 2 ="]
+TEXTS = [" ".join(["Passage about rivers and films."] * k) for k in (1, 3, 9, 20, 2)]
+
+
+@pytest.fixture(scope="module")
+def reference(smol_engine):
+    return smol_engine.run(prompts=PROMPTS, sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                           ignore_eos=True),
+                           texts=TEXTS, pooling_params=PoolingParams(pooling="mean"))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_gives_identical_results(policy, smol_engine, reference):
+    sched = replace(smol_engine.config.scheduler, policy=policy, max_num_batched_tokens=48, max_chunk_tokens=16)
+    engine = Engine(replace(smol_engine.config, scheduler=sched), smol_engine.runner.model, smol_engine.tokenizer)
+    gens, embs = engine.run(prompts=PROMPTS, sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                            ignore_eos=True),
+                            texts=TEXTS, pooling_params=PoolingParams(pooling="mean"))
+    ref_gens, ref_embs = reference
+    assert [g.token_ids for g in gens] == [g.token_ids for g in ref_gens]
+    for a, b in zip(embs, ref_embs):
+        assert torch.allclose(a.embedding, b.embedding, atol=1e-5)
+    steps = list(engine.step_stats)
+    if policy == "unified-homo":
+        assert not any(s.is_mixed for s in steps)
+    else:
+        assert any(s.is_mixed for s in steps)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
