@@ -45,7 +45,9 @@ def _pooling(cfg: Any, engine: Any) -> tuple[Any, Any]:
         base = dict(engine.encoder_pooling)
     else:
         base = {"pooling": cfg.retriever.pooling, "normalize": True}
-    return PoolingParams(**base), PoolingParams(**base, instruction=cfg.retriever.query_instruction)
+    # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does
+    return (PoolingParams(**base, truncate=True),
+            PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True))
 
 
 def build_retriever(cfg: Any, engine: Any, corpus: list, index_dir: Path | None):  # -> DenseRetriever

@@ -44,6 +44,7 @@ class EmbeddingOutput:
     request_id: str
     prompt_token_ids: list[int]
     embedding: torch.Tensor  # float32 [d] (or [n, d] for pooling="all" without a head)
-    finish_reason: str | None = "stop"
+    finish_reason: str | None = "stop"  # "error" when pooling failed (e.g. a caller's head raised)
     metrics: RequestMetrics | None = None
     finished: bool = True
+    error: str | None = None

@@ -56,6 +56,8 @@ class PoolingParams:
     `append_eos`: append the tokenizer's EOS before pooling (e5-mistral style `last` pooling); default: only
     for `last`.
     `adapter`: name of a loaded LoRA adapter; None picks the engine's default embedding adapter.
+    `truncate`: cut an input longer than the model's maximum (as sentence-transformers does) instead of
+    refusing it.
     """
 
     pooling: str = "mean"
@@ -65,6 +67,7 @@ class PoolingParams:
     instruction: str | None = None
     append_eos: bool | None = None
     adapter: str | None = None
+    truncate: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:

@@ -84,6 +84,10 @@ class FakeEngine:
         self.num_steps = 0
         self.num_preemptions = 0
 
+    def __repr__(self) -> str:
+        return (f"FakeEngine({self.scheduler.config}, num_blocks={self.block_manager.num_blocks}, "
+                f"block_size={self.block_manager.block_size})")
+
     # ---- the loop -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.requests.append(req)

@@ -29,9 +29,11 @@ def eos(tok: Any) -> set[int]:
     return {tok.eos_token_id}
 
 
-def _generate(tok: Any, eos: set[int], token_ids: list[int], **kwargs: Any) -> tuple[Request, str | None]:
+def _generate(tok: Any, eos: set[int], token_ids: list[int], stream: bool = False,
+              **kwargs: Any) -> tuple[Request, str | None]:
     """Feed token_ids one by one as if sampled; stop at the first finish reason."""
-    req = Request("r0", RequestKind.GENERATE, prompt_token_ids=[1], sampling_params=SamplingParams(**kwargs))
+    req = Request("r0", RequestKind.GENERATE, prompt_token_ids=[1], sampling_params=SamplingParams(**kwargs),
+                  stream=stream)
     reason = None
     for token_id in token_ids:
         req.output_token_ids.append(token_id)
@@ -43,7 +45,7 @@ def _generate(tok: Any, eos: set[int], token_ids: list[int], **kwargs: Any) -> t
 
 def test_plain_text_matches_decode(tok: Any, eos: set[int]) -> None:
     ids = tok.encode(TEXT)
-    req, reason = _generate(tok, eos, ids, max_tokens=100)
+    req, reason = _generate(tok, eos, ids, stream=True, max_tokens=100)  # streaming: text kept current
     assert reason is None
     assert req.output_text == TEXT == tok.decode(ids, skip_special_tokens=True)
 

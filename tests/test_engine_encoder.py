@@ -50,3 +50,16 @@ def test_encoder_rejects_too_long_input(encoder_engine):
 def test_backbone_embedding_still_available_by_adapter_name(encoder_engine):
     with pytest.raises(ValueError, match="unknown adapter"):
         encoder_engine.add_embed("x", PoolingParams(adapter="missing"))
+
+
+def test_truncate_cuts_long_inputs_like_sentence_transformers(encoder_engine):
+    from sentence_transformers import SentenceTransformer
+
+    from orthrus_rag.models.registry import resolve_model_path
+
+    text = " ".join(f"word{i}" for i in range(400))
+    st = SentenceTransformer(str(resolve_model_path(MINILM)), device="cpu")
+    want = torch.tensor(st.encode([text]))[0]
+    out = encoder_engine.embed([text], PoolingParams(pooling="mean", normalize=True, truncate=True))[0]
+    assert len(out.prompt_token_ids) == 256
+    assert torch.nn.functional.cosine_similarity(out.embedding, want, dim=0) >= 0.99999

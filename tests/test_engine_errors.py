@@ -71,3 +71,28 @@ def test_preempted_request_gives_the_same_greedy_output(engine):
     assert sum(s.num_preempted for s in small.step_stats) > 0
     assert [o.token_ids for o in got] == want
     assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
+
+
+def test_a_failing_pooling_head_fails_only_its_request(engine):
+    def bad_head(hidden):
+        raise ArithmeticError("head exploded")
+
+    good = engine.add_embed("a fine request", PoolingParams(pooling="mean"))
+    bad = engine.add_embed("a doomed request", PoolingParams(pooling="all", head=bad_head))
+    gen = engine.add_generate("Hello", SP)
+    results = engine.run_until_done()
+    assert results[bad].finish_reason == "error" and "head exploded" in results[bad].error
+    assert results[good].error is None and results[good].embedding.shape == (576,)
+    assert len(results[gen].token_ids) == SP.max_tokens
+    with pytest.raises(RuntimeError, match="head exploded"):
+        engine.embed(["again"], PoolingParams(pooling="all", head=bad_head))
+
+
+def test_generation_stops_at_the_kv_cache_limit(engine):
+    small = Engine(replace(engine.config, cache=replace(engine.config.cache, num_blocks=3)), engine.runner.model,
+                   engine.tokenizer)
+    out = small.generate([list(range(100, 140))], SamplingParams(max_tokens=100, temperature=0.0,
+                                                                 ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 48  # 3 blocks of 16 tokens
+    assert small.block_manager.num_free_blocks == 3

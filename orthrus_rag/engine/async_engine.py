@@ -89,7 +89,10 @@ class AsyncEngine:
     async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                     request_id: str | None = None) -> EmbeddingOutput:
         sink = self._submit("embed", request_id, (text, params), stream=False)
-        return await self._await(sink)
+        out = await self._await(sink)
+        if out.error is not None:
+            raise RuntimeError(f"embedding {out.request_id} failed: {out.error}")
+        return out
 
     async def embed_many(self, texts: Sequence[str | Sequence[int]],
                          params: PoolingParams | None = None) -> list[EmbeddingOutput]:
@@ -120,8 +123,8 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its blocks are freed at once. False if it is unknown or already finished."""
-        if self._closed:
-            return False
+        if self._closed or (self._stopped is not None and self._stopped.done()):
+            return False  # NOTE: a dead loop thread would never answer
         self._bind()
         reply = self._loop.create_future()
         self._commands.put(("abort", request_id, reply))

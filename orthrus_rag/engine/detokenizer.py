@@ -7,27 +7,33 @@ from typing import Any
 from orthrus_rag.engine.request import Request
 
 
-def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int]) -> str | None:
+def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int], max_seq_len: int | None = None) -> str | None:
     """Call after appending one sampled token to req.output_token_ids.
 
-    Updates req.output_text; returns a finish reason ("stop" for EOS / stop token id / stop string, "length"
-    when max_tokens is reached) or None. The caller records the reason and finishes the request.
+    Returns a finish reason ("stop" for EOS / stop token id / stop string, "length" when max_tokens or
+    `max_seq_len` (prompt + output: the model's or the KV cache's limit) is reached) or None. req.output_text
+    is kept current for streaming and stop-string requests, and always set when the request finishes.
+    The caller records the reason and finishes the request.
     """
     params = req.sampling_params
     assert params is not None and req.output_token_ids, "update_output needs a generating request with a token"
     token_id = req.output_token_ids[-1]
     # EOS / stop token: the token stays in output_token_ids but never reaches the text
     if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+        req.output_text = tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=True)
         return "stop"
-    # NOTE: decoding the whole output each step is O(n^2) over a generation; simple and always equal to
-    # tokenizer.decode of the kept tokens. Swap for offset-based incremental detokenisation if it shows up.
+    reason = None
+    if len(req.output_token_ids) >= params.max_tokens or (max_seq_len is not None and req.num_tokens >= max_seq_len):
+        reason = "length"
+    if reason is None and not params.stop and not req.stream:
+        return None  # NOTE: no text needed before the end: skip the per-step decode
+    # NOTE: decoding the whole output is O(n) per call; simple and always equal to tokenizer.decode of the kept
+    # tokens. Swap for offset-based incremental detokenisation if it shows up in profiles.
     prev_len = len(req.output_text)
     req.output_text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
     if params.stop and _truncate_at_stop(req, prev_len):
         return "stop"
-    if len(req.output_token_ids) >= params.max_tokens:
-        return "length"
-    return None
+    return reason
 
 
 def _truncate_at_stop(req: Request, prev_len: int) -> bool:

@@ -53,7 +53,9 @@ class Engine:
         self.inputs = InputProcessor(
             tokenizer, hf.vocab_size, max_len, num_blocks * cache.block_size, encoder_tokenizer,
             encoder.config.vocab_size if encoder is not None else 0,
-            encoder.max_position_embeddings if encoder is not None else 0)
+            getattr(encoder, "max_seq_length", encoder.max_position_embeddings) if encoder is not None else 0)
+        # a generation stops ("length") before it outgrows the model's positions or the whole KV cache
+        self.max_seq_len = min(max_len, num_blocks * cache.block_size)
         eos = hf.eos_token_id if hf.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.requests: dict[str, Request] = {}
@@ -189,10 +191,13 @@ class Engine:
             if req.req_id in result.embeddings:
                 req.finish_reason = "stop"
                 finished.append(self._finish(req, now, result.embeddings[req.req_id]))
+            elif req.req_id in result.errors:
+                req.finish_reason = "error"
+                finished.append(self._finish(req, now, error=result.errors[req.req_id]))
             elif req.req_id in result.sampled:
                 req.output_token_ids.append(result.sampled[req.req_id])
                 req.first_token_time = req.first_token_time or now
-                reason = update_output(req, self.tokenizer, self.eos_token_ids)
+                reason = update_output(req, self.tokenizer, self.eos_token_ids, self.max_seq_len)
                 if reason is not None:
                     req.finish_reason = reason
                     finished.append(self._finish(req, now))
@@ -203,13 +208,17 @@ class Engine:
                                                      req.output_text, None, finished=False))
         return finished
 
-    def _finish(self, req: Request, now: float, embedding: torch.Tensor | None = None) -> Output:
+    def _finish(self, req: Request, now: float, embedding: torch.Tensor | None = None,
+                error: str | None = None) -> Output:
         req.status, req.finished_time = RequestStatus.FINISHED, now
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
         self._handoff_ids.discard(req.req_id)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, now)
         if req.is_embed:
+            if error is not None:
+                return EmbeddingOutput(req.req_id, req.prompt_token_ids, torch.empty(0), "error", metrics,
+                                       error=error)
             assert embedding is not None
             return EmbeddingOutput(req.req_id, req.prompt_token_ids, embedding, metrics=metrics)
         return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
@@ -271,6 +280,9 @@ class Engine:
                 self.abort(rid)
             raise
         outputs = self.run_until_done()
+        failed = [f"{i}: {outputs[i].error}" for i in emb_ids if outputs[i].error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} embedding(s) failed: {'; '.join(failed[:3])}")
         return [outputs[i] for i in gen_ids], [outputs[i] for i in emb_ids]
 
     # ---- the Deployment protocol (orthrus_rag.engine.deployments): an in-process engine holds no workers --------

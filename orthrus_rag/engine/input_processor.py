@@ -58,6 +58,11 @@ class InputProcessor:
         ids = self._check_ids(ids, vocab, "embedding input")
         if not on_encoder and params.wants_eos and ids[-1] != tokenizer.eos_token_id:
             ids.append(tokenizer.eos_token_id)
+        limit = self.encoder_max_len if on_encoder else min(self.max_model_len, self.max_kv_tokens)
+        if params.truncate and len(ids) > limit:
+            # NOTE: keep the final token: the encoder's [SEP], or the EOS that `last` pooling reads
+            keep_last = on_encoder or params.wants_eos
+            ids = ids[:limit - 1] + ids[-1:] if keep_last else ids[:limit]
         if params.weights is not None and len(params.weights) != len(ids):
             raise ValueError(f"weighted_mean got {len(params.weights)} weights for {len(ids)} tokens")
         if on_encoder:

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
-from orthrus_rag.models.bert import BertEncoder, read_sentence_transformers_pooling
+from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
 from orthrus_rag.models.registry import resolve_model_path
 
@@ -37,4 +37,6 @@ def build_engine(config: EngineConfig) -> Engine:
         encoder = BertEncoder.from_pretrained(enc_path, mc.torch_dtype, mc.device).eval()
         encoder_tokenizer = AutoTokenizer.from_pretrained(str(enc_path))
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
+        # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
+        encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
     return Engine(config, model, tokenizer, slots, encoder, encoder_tokenizer, encoder_pooling)

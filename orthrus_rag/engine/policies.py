@@ -64,16 +64,20 @@ class OrthrusPolicy(_Base):
 
     def __init__(self, min_share: float = 0.1) -> None:
         self.min_share = min_share
+        self._carry = 0.0  # fractional embedding tokens owed from earlier steps
 
     def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
         rem_e, rem_p = sched.remaining_cost(embed), sched.remaining_cost(prefill)
-        if rem_e + rem_p == 0:
-            return []
-        share_e = rem_e / (rem_e + rem_p)
-        if rem_e and rem_p:
-            share_e = min(max(share_e, self.min_share), 1.0 - self.min_share)
-        cap_e = round(residual * share_e)
+        if rem_e == 0 or rem_p == 0:
+            self._carry = 0.0
+            return [Lane(embed, residual), Lane(prefill, residual)] if rem_e + rem_p else []
+        share_e = min(max(rem_e / (rem_e + rem_p), self.min_share), 1.0 - self.min_share)
+        # NOTE: the fractional part carries over, so over a few steps each kind gets its share even when a
+        # step's residual is too small to split (a tiny share would otherwise round to 0 for ever)
+        want = residual * share_e + self._carry
+        cap_e = int(want)
+        self._carry = want - cap_e
         lanes = [Lane(embed, cap_e), Lane(prefill, residual - cap_e)]
         # NOTE: the kind whose oldest pending request arrived first fills first (it matters for max_num_seqs)
         if prefill and (not embed or prefill[0].arrival_time < embed[0].arrival_time):

@@ -22,7 +22,7 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests live in queues that are searched with `in` / `remove`
 class Request:
     """Tokens, computed tokens and a block table.
 

@@ -8,6 +8,7 @@ step. The runner never decides who runs.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from orthrus_rag.models.llama import CausalLM
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req_id -> new token
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> pooled result
+    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why its pooling failed
 
 
 @dataclass
@@ -167,7 +169,14 @@ class ModelRunner:
             req.pooler_state = make_pooler_state(req.pooling_params, req.num_tokens)
         req.pooler_state.update(hidden, positions)
         if req.num_computed_tokens + n == req.num_tokens:
-            out.embeddings[req.req_id] = req.pooler_state.finish()
+            self._finish_pool(req, req.pooler_state.finish, out)
+
+    @staticmethod
+    def _finish_pool(req: Request, pool: Callable[[], torch.Tensor], out: RunnerOutput) -> None:
+        try:
+            out.embeddings[req.req_id] = pool()
+        except Exception as exc:  # NOTE: a caller's pooling head must not fail the other requests of the step
+            out.errors[req.req_id] = f"{type(exc).__name__}: {exc}"
 
     def _run_encoder(self, reqs: list[Request], out: RunnerOutput) -> None:
         assert self.encoder is not None, "encoder requests without an encoder model"
@@ -178,5 +187,5 @@ class ModelRunner:
                               seq_lens)
         start = 0
         for req, n in zip(reqs, seq_lens):
-            out.embeddings[req.req_id] = pool_whole(hidden[start:start + n], req.pooling_params)
+            self._finish_pool(req, lambda h=hidden[start:start + n], r=req: pool_whole(h, r.pooling_params), out)
             start += n

@@ -115,9 +115,21 @@ class Scheduler:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        allow_embed, allow_generate = self.policy.step_kinds(self)
+        out = self._schedule(allow_embed, allow_generate)
+        if out.is_empty and self.has_unfinished():
+            # NOTE: the kind the policy chose could not run (no free blocks for it, or its only request was just
+            # preempted): do not waste the step; a one-kind step switches kinds, a mixed one retries
+            preempted = out.preempted
+            if allow_embed != allow_generate:
+                allow_embed, allow_generate = allow_generate, allow_embed
+            out = self._schedule(allow_embed, allow_generate)
+            out.preempted = preempted + out.preempted
+        return out
+
+    def _schedule(self, allow_embed: bool, allow_generate: bool) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
-        allow_embed, allow_generate = self.policy.step_kinds(self)
         # 1. decodes: one token each
         if allow_generate:
             for req in [r for r in self.running if r.is_decoding]:
@@ -142,6 +154,7 @@ class Scheduler:
         cfg = self.config
         scheduled = {id(s.req) for s in out.scheduled} | {id(r) for r in out.encoder}
         used = 0
+        admit = not out.preempted  # once one waiting request cannot start, no later one may (FCFS)
         for req in candidates:
             left = self._budget_left(out) if cap is None else min(self._budget_left(out), cap - used)
             if left < 1 or len(out.scheduled) + len(out.encoder) >= cfg.max_num_seqs:
@@ -149,10 +162,15 @@ class Scheduler:
             if id(req) in scheduled or req.is_finished:
                 continue
             if req.on_encoder:
+                if not admit:
+                    continue
                 cost = self._encoder_cost(req)
-                # NOTE: an encoder request never splits; one that exceeds the whole budget runs alone
-                if cost > left and not (out.is_empty and cost > cfg.max_num_batched_tokens):
-                    break
+                # NOTE: an encoder request never splits. The first of a lane may overdraw the lane's cap (else a
+                # small share could never fit it); one that exceeds the whole budget runs alone.
+                fits = cost <= left or (used == 0 and cost <= self._budget_left(out))
+                if not fits and not (out.is_empty and cost > cfg.max_num_batched_tokens):
+                    admit = False
+                    continue
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 out.encoder.append(req)
@@ -165,8 +183,9 @@ class Scheduler:
                 if self._schedule_running(req, num_new, out):
                     used += num_new
                 continue
-            if out.preempted or not self.block_manager.can_allocate(req, num_new):
-                break
+            if not admit or not self.block_manager.can_allocate(req, num_new):
+                admit = False  # in-flight requests later in the list still continue
+                continue
             self.block_manager.allocate(req, num_new)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING

@@ -17,6 +17,8 @@ from torch import nn
 from transformers import AutoConfig, BertConfig
 from transformers.activations import ACT2FN
 
+from orthrus_rag.params import POOLING_TYPES
+
 # Checkpoint entries we do not model: the NSP pooler, MLM/NSP heads, the position_ids buffer.
 _IGNORED_PREFIXES = ("pooler.", "cls.")
 _IGNORED_SUFFIXES = ("position_ids",)
@@ -207,4 +209,18 @@ def read_sentence_transformers_pooling(path: str | os.PathLike) -> dict:
         pooling = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max",
                    "mean_sqrt_len_tokens": "mean_sqrt_len"}.get(modes[0], modes[0])
     normalize = any(m["type"].endswith(".Normalize") for m in modules)
+    if pooling == "lasttoken":
+        pooling = "last"
+    if pooling not in POOLING_TYPES:
+        raise ValueError(f"{path}: sentence-transformers pooling {pooling!r} is not supported; "
+                         f"supported: {', '.join(POOLING_TYPES)}")
     return {"pooling": pooling, "normalize": normalize}
+
+
+def read_max_seq_length(path: str | os.PathLike) -> int | None:
+    """sentence-transformers' `max_seq_length` (inputs are cut there), or None when the folder has none."""
+    file = Path(path) / "sentence_bert_config.json"
+    if not file.is_file():
+        return None
+    value = json.loads(file.read_text()).get("max_seq_length")
+    return int(value) if value else None

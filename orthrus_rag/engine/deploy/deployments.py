@@ -83,8 +83,7 @@ class _ProcessDeployment:
         for kind, inputs, params in (("generate", prompts, sampling_params), ("embed", texts, pooling_params)):
             for index, x in enumerate(inputs):
                 rid = f"{kind[:3]}-{next(self._request_ids)}"
-                parts[self.ROUTE[kind]].append(WorkItem(index, rid, kind, x if isinstance(x, str) else list(x),
-                                                        params))
+                parts[self.ROUTE[kind]].append(WorkItem(index, rid, kind, x, params))
         # NOTE: pickle everything before sending anything: an unpicklable parameter must not half-submit a batch
         payloads = {role: dumps(("submit", batch, items)) for role, items in parts.items()}
         for role, raw in payloads.items():

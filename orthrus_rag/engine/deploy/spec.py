@@ -67,7 +67,7 @@ class WorkItem:
     index: int
     request_id: str
     kind: str  # "generate" | "embed"
-    input: str | list[int]
+    input: str | Sequence[int]
     params: SamplingParams | PoolingParams | None
 
 
