@@ -97,7 +97,8 @@ def run(cfg: Any) -> dict[str, Any]:
         # NOTE: built before the async loop starts, so the corpus embeds on the engine directly
         retriever = build_retriever(cfg, aengine, build_corpus(examples), run_dir / "index")
     p = cfg.pipeline
-    pipeline = IterRetGen(aengine, retriever, iterations=p.iterations, k=cfg.retriever.k,
+    iterations = 1 if p.name == "standard_rag" else p.iterations
+    pipeline = IterRetGen(aengine, retriever, iterations=iterations, k=cfg.retriever.k,
                           sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
                           chat_template=engine.tokenizer if p.chat_template else None,
                           max_concurrency=p.max_concurrency)
@@ -117,7 +118,7 @@ def run(cfg: Any) -> dict[str, Any]:
     summary["engine"] = summarize_steps(steps)
     summary["config"] = {"dataset": cfg.dataset.name, "model": cfg.model.name,
                          "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy,
-                         "pipeline": p.name, "iterations": p.iterations, "k": cfg.retriever.k}
+                         "pipeline": p.name, "iterations": iterations, "k": cfg.retriever.k}
     write_run(run_dir, records, summary)
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(vars(s)) + "\n" for s in steps))
     return summary

@@ -56,31 +56,39 @@ def _hydra(command: str, argv: list[str]) -> int:
     import hydra
     from omegaconf import DictConfig
 
-    from orthrus_rag import app
     from orthrus_rag.app_config import register_configs
 
     register_configs()
 
     @hydra.main(version_base=None, config_path="pkg://orthrus_rag.conf", config_name="config")
     def entry(cfg: DictConfig) -> None:
-        if command == "index":
-            print(f"index saved to {app.index(cfg)}")
-            return
-        summary = app.run(cfg)
-        from orthrus_rag.pipelines import format_table
+        try:
+            _task(command, cfg)
+        except ValueError as exc:  # bad config values or input: say what is wrong, no traceback
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
 
-        print(format_table(summary))
-        eng = summary["engine"]
-        print(f"engine: {eng['num_steps']} steps, {eng['num_mixed_steps']} carried embedding and generation "
-              f"tokens together; records in {cfg.run_dir}")
-
-    sys.argv = [f"orthrus-rag {command}", *argv]
+    sys.argv, saved = [f"orthrus-rag {command}", *argv], sys.argv
     try:
         entry()
-    except ValueError as exc:  # bad config values: say what is wrong, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    finally:
+        sys.argv = saved
     return 0
+
+
+def _task(command: str, cfg) -> None:  # noqa: ANN001 (a DictConfig)
+    from orthrus_rag import app
+
+    if command == "index":
+        print(f"index saved to {app.index(cfg)}")
+        return
+    summary = app.run(cfg)
+    from orthrus_rag.pipelines import format_table
+
+    print(format_table(summary))
+    eng = summary["engine"]
+    print(f"engine: {eng['num_steps']} steps, {eng['num_mixed_steps']} carried embedding and generation tokens "
+          f"together; records in {cfg.run_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# NOTE: CI replays the same examples every run (a red CI must mean a change broke something); locally each run
+# explores new ones
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 SMOL = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"

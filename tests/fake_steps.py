@@ -90,6 +90,8 @@ class FakeEngine:
 
     # ---- the loop -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        # NOTE: as in the real engine, a request arrives when it is added (not when the test built it)
+        req.arrival_time = float(len(self.requests))
         self.requests.append(req)
         self.scheduler.add(req)
 

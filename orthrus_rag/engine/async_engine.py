@@ -12,6 +12,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -38,10 +39,37 @@ class EngineShutdown(RuntimeError):
     """The AsyncEngine was shut down before the request finished."""
 
 
+class _Snapshots:
+    """A stream's pending items. Unread snapshots are cumulative, so a newer one replaces an unread older one:
+    a slow consumer holds O(1) snapshots, not one per token."""
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: Any) -> None:
+        last = self._items[-1] if self._items else None
+        if _is_snapshot(last) and _is_snapshot(item):
+            self._items[-1] = item
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+def _is_snapshot(item: Any) -> bool:
+    return isinstance(item, GenerationOutput) and not item.finished
+
+
 class _Sink:
     """Where one request's results go: a future (embed/generate) or a queue (stream). Event-loop side only."""
 
-    def __init__(self, request_id: str, queue: asyncio.Queue[Any] | None = None,
+    def __init__(self, request_id: str, queue: _Snapshots | None = None,
                  future: asyncio.Future[Any] | None = None) -> None:
         assert (queue is None) != (future is None)
         self.request_id, self.queue, self.future = request_id, queue, future
@@ -96,7 +124,13 @@ class AsyncEngine:
 
     async def embed_many(self, texts: Sequence[str | Sequence[int]],
                          params: PoolingParams | None = None) -> list[EmbeddingOutput]:
-        return list(await asyncio.gather(*(self.embed(t, params) for t in texts)))
+        tasks = [asyncio.ensure_future(self.embed(t, params)) for t in texts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # NOTE: cancelling an awaiter aborts its request: no orphaned engine work
+                task.cancel()
+            raise
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> GenerationOutput:
@@ -168,7 +202,7 @@ class AsyncEngine:
         if self._num_pending >= self.max_pending:
             raise EngineQueueFull(f"{self._num_pending} requests are pending; the limit is {self.max_pending}")
         rid = request_id or f"async-{kind}-{next(self._ids)}"
-        sink = _Sink(rid, queue=asyncio.Queue()) if stream else _Sink(rid, future=self._loop.create_future())
+        sink = _Sink(rid, queue=_Snapshots()) if stream else _Sink(rid, future=self._loop.create_future())
         self._num_pending += 1
         self._commands.put(("add", kind, args, sink))
         return sink

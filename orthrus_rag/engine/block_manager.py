@@ -36,6 +36,13 @@ class BlockManager:
         for _ in range(needed):
             req.block_table.append(self.free_blocks.popleft())
 
+    def trim(self, req: Request, num_new_tokens: int) -> None:
+        """Return blocks beyond what this step needs (a chunk grown into an embedding's final chunk writes no
+        KV, so the blocks taken for it are not needed)."""
+        keep = -(-req.num_kv_tokens_after(num_new_tokens) // self.block_size)
+        while len(req.block_table) > keep:
+            self.free_blocks.append(req.block_table.pop())
+
     def free(self, req: Request) -> None:
         self.free_blocks.extend(req.block_table)
         req.block_table = []

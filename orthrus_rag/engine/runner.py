@@ -57,7 +57,8 @@ class ModelRunner:
             for layer in model.attention_layers]
 
     def _bind_cache(self) -> None:
-        """Point the attention layers at this runner's cache (cheap; lets engines share one model)."""
+        """Point the attention layers at this runner's cache (cheap). Engines that share one model object may
+        take turns stepping (tests, handoff); they must not step it from two threads at once."""
         for layer, (k, v) in zip(self.model.attention_layers, self.kv_caches):
             layer.k_cache, layer.v_cache = k, v
 
@@ -89,7 +90,7 @@ class ModelRunner:
         for seq, s in enumerate(sched.scheduled):
             req, n, start = s.req, s.num_new_tokens, len(b.input_ids)
             nc = req.num_computed_tokens
-            b.input_ids.extend(req.all_token_ids[nc:nc + n])
+            b.input_ids.extend(req.token_ids_slice(nc, nc + n))
             b.positions.extend(range(nc, nc + n))
             writes = req.needs_kv(n)
             b.slot_mapping.append(self._slots(req, nc, nc + n) if writes else torch.full((n,), -1))

@@ -144,6 +144,20 @@ class Scheduler:
         self._fill([r for r in self.policy.fallback(self) if allowed[r.is_embed]], None, out)
         return out
 
+    def _top_up(self, req: Request, left: int, out: SchedulerOutput) -> None:
+        s = next((s for s in out.scheduled if s.req is req), None)
+        if s is None:  # an encoder request: never split, nothing to add
+            return
+        extra = min(req.num_remaining_tokens - s.num_new_tokens, self.config.max_chunk_tokens - s.num_new_tokens,
+                    left)
+        if extra < 1 or not self.block_manager.can_allocate(req, s.num_new_tokens + extra):
+            return
+        self.block_manager.allocate(req, s.num_new_tokens + extra)
+        self.block_manager.trim(req, s.num_new_tokens + extra)
+        s.num_new_tokens += extra
+        out.num_batched_tokens += extra
+        out.budget_used += extra
+
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.budget_used
 
@@ -159,7 +173,11 @@ class Scheduler:
             left = self._budget_left(out) if cap is None else min(self._budget_left(out), cap - used)
             if left < 1 or len(out.scheduled) + len(out.encoder) >= cfg.max_num_seqs:
                 break
-            if id(req) in scheduled or req.is_finished:
+            if req.is_finished:
+                continue
+            if id(req) in scheduled:
+                if cap is None:  # the work-conserving pass may lengthen a chunk already in this step
+                    self._top_up(req, left, out)
                 continue
             if req.on_encoder:
                 if not admit:

@@ -38,6 +38,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V go; -1: not written
     packed: PackedGroup | None = None
     decode: DecodeGroup | None = None
+    # rows whose K/V are written and their slots, derived once per step (not once per layer)
+    write_rows: torch.Tensor | None = field(init=False, default=None)
+    write_slots: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        rows = (self.slot_mapping >= 0).nonzero().flatten()
+        if rows.numel() < self.slot_mapping.numel():
+            self.write_rows, self.write_slots = rows, self.slot_mapping.index_select(0, rows)
+        else:  # every row writes: plain copies, no gather
+            self.write_slots = self.slot_mapping
 
 
 def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
@@ -73,11 +83,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for this step's tokens; caches [num_slots, KVH, D]. Returns [T, H, D]."""
-    written = meta.slot_mapping >= 0
-    if bool(written.any()):
-        slots = meta.slot_mapping[written]
-        k_cache.index_copy_(0, slots, k[written])
-        v_cache.index_copy_(0, slots, v[written])
+    if meta.write_rows is None:
+        k_cache.index_copy_(0, meta.write_slots, k)
+        v_cache.index_copy_(0, meta.write_slots, v)
+    elif meta.write_rows.numel():
+        k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
+        v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
     out = torch.empty_like(q)
     if meta.packed is not None:
         g = meta.packed

@@ -1,11 +1,13 @@
 """Per-step forward context: what every layer of one forward pass needs besides its input.
 
 The runner builds it once per step; attention layers read the attention metadata and LoRA layers read which
-token rows belong to which adapter. A module-level slot (as in nano-vllm) keeps layer signatures plain.
+token rows belong to which adapter. A thread-local slot (as nano-vllm's global context) keeps layer signatures
+plain.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,18 +23,18 @@ class ForwardContext:
     lora_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
-_CONTEXT: ForwardContext | None = None
+_LOCAL = threading.local()  # per thread: engine loops in different threads never see each other's step
 
 
 def get_forward_context() -> ForwardContext:
-    return _CONTEXT if _CONTEXT is not None else ForwardContext()
+    ctx = getattr(_LOCAL, "ctx", None)
+    return ctx if ctx is not None else ForwardContext()
 
 
 @contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, ctx
+    previous, _LOCAL.ctx = getattr(_LOCAL, "ctx", None), ctx
     try:
         yield ctx
     finally:
-        _CONTEXT = previous
+        _LOCAL.ctx = previous
