@@ -96,6 +96,49 @@ class _ProcessDeployment:
                     inbox.put(dumps(("abort", batch)))
             raise
 
+    # ---- the ServingClient protocol (orthrus_rag.engine.deploy.client): one request at a time ------------------
+    def submit(self, kind: str, request_id: str, input: str | Sequence[int],
+               params: SamplingParams | PoolingParams | None) -> None:
+        """Send one request to the worker its kind routes to; its output comes back from `poll`. NOTE: do not
+        interleave with `run`, which skips outputs that are not its own."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is shut down")
+        if kind not in self.ROUTE:
+            raise ValueError(f"unknown request kind {kind!r}; expected one of {', '.join(self.ROUTE)}")
+        raw = dumps(("submit", next(self._batch_ids), [WorkItem(0, request_id, kind, input, params)]))
+        self._inboxes[self.ROUTE[kind]].put(raw)
+
+    def poll(self, timeout_s: float) -> list[GenerationOutput | EmbeddingOutput]:
+        """Finished outputs of submitted requests: waits up to `timeout_s` for the first, then takes what else is
+        queued. A rejected request raises `WorkerError`; a failed or dead worker too (after shutting down)."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is shut down")
+        deadline = time.monotonic() + timeout_s
+        outputs: list[GenerationOutput | EmbeddingOutput] = []
+        while True:
+            msg = self._try_receive(max(0.0, deadline - time.monotonic()) if not outputs else 0.0)
+            if msg is None:
+                if outputs or time.monotonic() >= deadline:
+                    return outputs
+                continue
+            tag, role, _, payload = msg
+            if tag == "rejected":
+                raise WorkerError(f"the {role} worker rejected a request: {payload}")
+            if tag == "outputs":
+                outputs.extend(out for _, out in payload)
+
+    def _try_receive(self, timeout_s: float) -> tuple | None:
+        """The next worker message within `timeout_s` (at most POLL_S), or None; fails like `_receive`."""
+        try:
+            raw = self._results.get(timeout=min(timeout_s, POLL_S)) if timeout_s > 0 else self._results.get_nowait()
+            return self._check(loads(raw))
+        except queue.Empty:
+            pass
+        dead = [(role, p.exitcode) for role, p in self._procs.items() if not p.is_alive()]
+        if dead:
+            return self._receive(1.0)  # NOTE: the worker's own reason first, else a WorkerError for the exit
+        return None
+
     def _collect(self, batch: int, unconfirmed: set[str], num_prompts: int, num_texts: int,
                  ) -> tuple[list[GenerationOutput], list[EmbeddingOutput]]:
         generations: list[Any] = [None] * num_prompts

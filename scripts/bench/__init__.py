@@ -1,0 +1,1 @@
+"""Benchmark harness: workloads (request generators), drivers over a ServingClient, reports."""

@@ -1,0 +1,241 @@
+"""Load drivers over a `ServingClient`, measured from the caller side.
+
+- `closed_loop`: C clients; each submits its next request when its previous one finished, for T seconds or N
+  requests (the ratio sweep, the three phases with at most C in flight).
+- `open_loop`: requests submitted at their scheduled `arrival_s` (Poisson arrivals, the FCFS-blocking burst).
+Per request: kind, start (submit, or the scheduled arrival in open loop), finish and latency. Alongside: the
+per-step token mix of an in-process engine (`client.step_log`) and the CPU use of this process tree per second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from orthrus_rag.engine.deploy.client import ServingClient
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+
+from .workloads import RequestSpec
+
+logger = logging.getLogger(__name__)
+KINDS = ("embed", "generate")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    kind: str
+    start_s: float  # seconds after the run started
+    finish_s: float | None = None
+    num_output_tokens: int = 0
+    error: str | None = None
+    tags: dict = field(default_factory=dict)
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.start_s
+
+
+@dataclass
+class RunResult:
+    label: str
+    window_s: float  # the measurement window: requests finished within it count
+    records: list[RequestRecord]
+    steps: list[dict]  # per engine step: t (s), embed / prefill / decode / encoder tokens, step_time
+    cpu: list[tuple[float, float]]  # (t, CPU % of one core, this process and its children)
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "window_s": self.window_s, "records": [asdict(r) for r in self.records],
+                "steps": self.steps, "cpu": self.cpu}
+
+
+class CpuSampler:
+    """Samples CPU use of this process tree every `interval_s` in a daemon thread (psutil, else /proc)."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+
+    def start(self, t0: float) -> "CpuSampler":
+        self._t0 = t0
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self._thread.join(2 * self.interval_s)
+        return self.samples
+
+    def _loop(self) -> None:
+        read = _psutil_reader() or _proc_reader()
+        read()  # baseline
+        while not self._stop.wait(self.interval_s):
+            self.samples.append((round(time.monotonic() - self._t0, 3), round(read(), 1)))
+
+
+def _psutil_reader():
+    try:
+        import psutil
+    except ImportError:
+        return None
+    me, known = psutil.Process(), {}
+
+    def read() -> float:
+        total = 0.0
+        for p in [me, *me.children(recursive=True)]:
+            try:  # NOTE: a Process object's first cpu_percent is 0; keep them so later calls measure a delta
+                total += known.setdefault(p.pid, p).cpu_percent(None)
+            except psutil.NoSuchProcess:
+                known.pop(p.pid, None)
+        return total
+    return read
+
+
+def _proc_reader():
+    tick, last = os.sysconf("SC_CLK_TCK"), [time.monotonic(), 0.0]
+
+    def ticks(pid: str) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        kids = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += f.read().split()
+        return float(fields[11]) + float(fields[12]) + sum(ticks(k) for k in kids)
+
+    def read() -> float:
+        now, total = time.monotonic(), ticks(str(os.getpid())) / tick
+        pct = 100.0 * (total - last[1]) / max(now - last[0], 1e-9)
+        last[:] = [now, total]
+        return pct
+    return read
+
+
+class _Tracker:
+    """In-flight requests and their records, relative to `t0`."""
+
+    def __init__(self, client: ServingClient) -> None:
+        self.client = client
+        self.t0 = time.monotonic()
+        self.inflight: dict[str, RequestRecord] = {}
+        self.records: list[RequestRecord] = []
+        log = getattr(client, "step_log", None)
+        self._log_start = len(log) if log is not None else 0
+        self.sampler = CpuSampler().start(self.t0)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def submit(self, req: RequestSpec, start_s: float | None = None) -> None:
+        rec = RequestRecord(req.request_id, req.kind, self.now() if start_s is None else start_s, tags=dict(req.tags))
+        self.inflight[req.request_id] = rec
+        self.records.append(rec)
+        self.client.submit(req.kind, req.request_id, req.input, req.params)  # type: ignore[arg-type]
+
+    def poll(self, timeout_s: float) -> int:
+        done = 0
+        for out in self.client.poll(timeout_s):
+            rec = self.inflight.pop(out.request_id, None)
+            if rec is None:
+                logger.warning("output for unknown request %s", out.request_id)
+                continue
+            rec.finish_s = self.now()
+            if isinstance(out, GenerationOutput):
+                rec.num_output_tokens = len(out.token_ids)
+            elif isinstance(out, EmbeddingOutput) and out.error:
+                rec.error = out.error
+            done += 1
+        return done
+
+    def result(self, label: str, window_s: float | None) -> RunResult:
+        cpu = self.sampler.stop()
+        if self.inflight:
+            logger.warning("%s: %d requests unfinished at the end of the run", label, len(self.inflight))
+        if window_s is None:
+            window_s = max((r.finish_s for r in self.records if r.finish_s is not None), default=0.0)
+        log = getattr(self.client, "step_log", None) or []
+        steps = [{"t": round(t - self.t0, 4), "embed": s.num_embed_tokens, "prefill": s.num_prefill_tokens,
+                  "decode": s.num_decode_tokens, "encoder": s.num_encoder_tokens, "step_time": s.step_time}
+                 for t, s in log[self._log_start:]]
+        return RunResult(label, window_s, self.records, steps, cpu)
+
+
+def closed_loop(client: ServingClient, requests: Iterable[RequestSpec], concurrency: int,
+                duration_s: float | None = None, max_requests: int | None = None, drain_timeout_s: float = 120.0,
+                poll_s: float = 0.05, label: str = "") -> RunResult:
+    """`concurrency` clients submit back to back until `duration_s` passes, `max_requests` were submitted or
+    `requests` runs out; then in-flight requests drain (they count only if they finished within the window)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be positive, got {concurrency}")
+    it: Iterator[RequestSpec] = iter(requests)
+    tr, submitted = _Tracker(client), 0
+
+    def submit_next() -> bool:
+        nonlocal submitted
+        if (duration_s is not None and tr.now() >= duration_s) or (max_requests is not None
+                                                                     and submitted >= max_requests):
+            return False
+        req = next(it, None)
+        if req is None:
+            return False
+        tr.submit(req)
+        submitted += 1
+        return True
+
+    for _ in range(concurrency):
+        submit_next()
+    limit = None if duration_s is None else duration_s + drain_timeout_s
+    while tr.inflight and (limit is None or tr.now() < limit):
+        for _ in range(tr.poll(poll_s)):
+            submit_next()
+    return tr.result(label, duration_s)
+
+
+def open_loop(client: ServingClient, schedule: list[RequestSpec], duration_s: float | None = None,
+              drain_timeout_s: float = 120.0, poll_s: float = 0.05, label: str = "") -> RunResult:
+    """Submit each request at its `arrival_s`; its latency counts from that scheduled time (so a late submit
+    caused by a busy caller counts against the system it runs in)."""
+    pending = sorted(schedule, key=lambda r: r.arrival_s)
+    tr, i = _Tracker(client), 0
+    limit = None if duration_s is None else duration_s + drain_timeout_s
+    while (i < len(pending) or tr.inflight) and (limit is None or tr.now() < limit):
+        now = tr.now()
+        while i < len(pending) and pending[i].arrival_s <= now and (duration_s is None or now < duration_s):
+            tr.submit(pending[i], start_s=pending[i].arrival_s)
+            i += 1
+        if duration_s is not None and now >= duration_s:
+            i = len(pending)
+        wait = poll_s if i >= len(pending) else min(poll_s, max(0.0, pending[i].arrival_s - now))
+        tr.poll(wait)
+    return tr.result(label, duration_s)
+
+
+def summarize(result: RunResult) -> dict:
+    """Per kind: completed within the window, requests/s, latency p50/p95/p99; the step mix; mean CPU."""
+    out: dict = {"label": result.label, "window_s": result.window_s, "kinds": {},
+                 "unfinished": sum(r.finish_s is None for r in result.records)}
+    for kind in KINDS:
+        done = [r for r in result.records if r.kind == kind and r.finish_s is not None
+                and r.finish_s <= result.window_s + 1e-9 and r.error is None]
+        lat = np.array([r.latency_s for r in done]) if done else np.zeros(0)
+        pct = np.percentile(lat, [50, 95, 99]).tolist() if len(lat) else [float("nan")] * 3
+        out["kinds"][kind] = {
+            "completed": len(done), "throughput_rps": len(done) / result.window_s if result.window_s else 0.0,
+            "p50_s": pct[0], "p95_s": pct[1], "p99_s": pct[2],
+            "mean_s": float(lat.mean()) if len(lat) else float("nan"),
+            "errors": sum(r.kind == kind and r.error is not None for r in result.records)}
+    if result.steps:
+        n = len(result.steps)
+        out["steps"] = {k: sum(s[k] for s in result.steps) for k in ("embed", "prefill", "decode", "encoder")}
+        out["steps"].update(num_steps=n, mixed_frac=sum(
+            (s["embed"] + s["encoder"]) > 0 and (s["prefill"] + s["decode"]) > 0 for s in result.steps) / n)
+    out["cpu_mean_pct"] = float(np.mean([c for _, c in result.cpu])) if result.cpu else None
+    return out

@@ -1,0 +1,130 @@
+"""Benchmark reports: JSON, a markdown table with ratios against `dedicated` (and a peer), PNG plots.
+
+Rows are `summarize()` dicts with a `system` and a `group` (e.g. the embed:gen ratio) added; runs are
+`RunResult.to_dict()` dicts, so a report can be redrawn from the JSON alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+KINDS = ("embed", "generate")
+MIX = (("embed", "tab:blue"), ("encoder", "tab:cyan"), ("prefill", "tab:orange"), ("decode", "tab:red"))
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return "–" if not b else f"{a / b:.2f}×"
+
+
+def markdown_table(rows: list[dict], baseline: str = "dedicated", peer: str | None = None) -> str:
+    """One line per (group, system): requests/s and latency p50/p95/p99 per kind, × the baseline's and the
+    peer's throughput in the same group."""
+    by_key = {(r["group"], r["system"]): r for r in rows}
+    refs = [name for name in (baseline, peer) if name and any(r["system"] == name for r in rows)]
+    head = ["mix", "system", "emb req/s", "gen req/s", "emb p50/p95/p99 s", "gen p50/p95/p99 s"]
+    head += [f"{k} × {ref}" for ref in refs for k in ("emb", "gen")] + ["CPU %"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        k = r["kinds"]
+        cells = [str(r["group"]), r["system"]] + [_fmt(k[kind]["throughput_rps"]) for kind in KINDS]
+        cells += ["/".join(_fmt(k[kind][p]) for p in ("p50_s", "p95_s", "p99_s")) for kind in KINDS]
+        for ref in refs:
+            other = by_key.get((r["group"], ref))
+            cells += [_ratio(k[kind]["throughput_rps"], other["kinds"][kind]["throughput_rps"] if other else None)
+                      for kind in KINDS]
+        cells.append(_fmt(r.get("cpu_mean_pct"), 0))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(rows: list[dict], path: str | Path) -> Path:
+    """Completed requests/s per kind against the mix, one line per system."""
+    plt = _plt()
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, kind in zip(axes, (*KINDS, "total")):
+        for system in systems:
+            ys = []
+            for g in groups:
+                r = next((r for r in rows if r["group"] == g and r["system"] == system), None)
+                ks = r["kinds"] if r else None
+                ys.append(np.nan if ks is None else sum(ks[k]["throughput_rps"] for k in KINDS) if kind == "total"
+                          else ks[kind]["throughput_rps"])
+            ax.plot(groups, ys, marker="o", label=system)
+        ax.set(title=f"{kind} requests/s", xlabel="embed:gen")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_latency_cdf(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
+    """Latency CDF per kind, one line per system (`runs`: system -> RunResult dict)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, kind in zip(axes, KINDS):
+        for system, run in runs.items():
+            lat = np.sort([r["finish_s"] - r["start_s"] for r in run["records"]
+                           if r["kind"] == kind and r["finish_s"] is not None])
+            if len(lat):
+                ax.step(np.r_[0.0, lat], np.arange(len(lat) + 1) / len(lat), where="post", label=system)
+        ax.set(title=f"{kind} latency {title}", xlabel="latency (s)", ylabel="fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_step_mix(runs: dict[str, dict], path: str | Path, bin_s: float = 1.0, title: str = "") -> Path | None:
+    """Tokens per second by kind of work over time, one panel per system that logged its engine steps."""
+    runs = {name: run for name, run in runs.items() if run["steps"]}
+    if not runs:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.4 * len(runs)), sharex=True, squeeze=False)
+    for ax, (system, run) in zip(axes[:, 0], runs.items()):
+        t = np.array([s["t"] for s in run["steps"]])
+        edges = np.arange(0.0, t.max() + bin_s, bin_s)
+        layers = [np.histogram(t, edges, weights=[s[k] for s in run["steps"]])[0] / bin_s for k, _ in MIX]
+        ax.stackplot(edges[:-1], *layers, labels=[k for k, _ in MIX], colors=[c for _, c in MIX], step="post")
+        ax.set(ylabel="tokens/s", title=f"{system} {title}")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("time (s)")
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    _plt().close(fig)
+    logger.info("wrote %s", path)
+    return path

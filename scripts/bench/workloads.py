@@ -1,0 +1,103 @@
+"""Request generators for the paper's workloads (DESIGN.md, "The paper's workloads"), seeded and scaled down.
+
+Every generator is deterministic in its seed, so every system sees the same requests in the same order.
+The paper: inputs of 128 words, generation `max_tokens` 150 at temperature 0.7, 64 clients.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+# NOTE: common one-token English words, so N words stay close to N..1.5N SmolLM2 tokens
+VOCAB = ("the river runs past old mills and quiet towns toward a distant grey sea where ships wait for "
+         "morning light over stone walls while birds call from high trees above green fields of wheat "
+         "that farmers cut each year before cold winds bring rain snow ice dark nights long days warm "
+         "bread fresh milk red apples small boats deep water open roads new books wise words").split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shape of one request: input length in words and generation settings."""
+
+    words: int = 32  # paper: 128
+    max_tokens: int = 32  # paper: 150
+    temperature: float = 0.7
+    ignore_eos: bool = True  # NOTE: every generation does the same work on every system (no early EOS)
+    seed: int = 0
+
+
+@dataclass
+class RequestSpec:
+    kind: str  # "embed" | "generate"
+    request_id: str
+    input: str
+    params: SamplingParams | PoolingParams
+    arrival_s: float = 0.0  # open loop: offset from the start of the run
+    tags: dict[str, object] = field(default_factory=dict)  # e.g. {"phase": 2}
+
+
+def make_text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(VOCAB) for _ in range(words))
+
+
+def make_request(rng: random.Random, kind: str, request_id: str, w: Workload) -> RequestSpec:
+    text = make_text(rng, w.words)
+    if kind == "embed":
+        return RequestSpec(kind, request_id, text, PoolingParams(pooling="mean"))
+    params = SamplingParams(max_tokens=w.max_tokens, temperature=w.temperature, ignore_eos=w.ignore_eos,
+                            seed=rng.randrange(1 << 31))
+    return RequestSpec(kind, request_id, text, params)
+
+
+def mixed_stream(p_embed: float, w: Workload, prefix: str = "r", tags: dict | None = None,
+                 ) -> Iterator[RequestSpec]:
+    """Endless requests: embedding with probability `p_embed`, else generation (the ratio sweep)."""
+    if not 0.0 <= p_embed <= 1.0:
+        raise ValueError(f"p_embed must be in [0, 1], got {p_embed}")
+    rng = random.Random(f"{w.seed}-{p_embed}-{prefix}")
+    i = 0
+    while True:
+        kind = "embed" if rng.random() < p_embed else "generate"
+        req = make_request(rng, kind, f"{prefix}-{i}", w)
+        req.tags.update(tags or {})
+        yield req
+        i += 1
+
+
+def fcfs_blocking(num_generate: int, num_embed: int, w: Workload, long_max_tokens: int) -> list[RequestSpec]:
+    """The worst case for FCFS: `num_generate` long generations submitted first, then `num_embed` embeddings,
+    all at time 0 (paper: 375 x 1024 tokens, then 250)."""
+    rng = random.Random(f"{w.seed}-fcfs")
+    long = Workload(w.words, long_max_tokens, w.temperature, w.ignore_eos, w.seed)
+    gens = [make_request(rng, "generate", f"g-{i}", long) for i in range(num_generate)]
+    return gens + [make_request(rng, "embed", f"e-{i}", w) for i in range(num_embed)]
+
+
+def three_phase(per_phase: int, w: Workload, fractions: tuple[float, ...] = (0.1, 0.5, 0.9),
+                ) -> list[list[RequestSpec]]:
+    """Phases of `per_phase` requests with the given embedding fractions (paper: 250 each, 10/50/90%); the
+    driver keeps at most C in flight."""
+    phases = []
+    for k, frac in enumerate(fractions):
+        stream = mixed_stream(frac, w, prefix=f"p{k}", tags={"phase": k})
+        phases.append([next(stream) for _ in range(per_phase)])
+    return phases
+
+
+def poisson(rate: float, num_requests: int, p_embed: float, w: Workload) -> list[RequestSpec]:
+    """Open-loop arrivals at `rate` requests/s (exponential gaps), kinds as in `mixed_stream`."""
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    rng = random.Random(f"{w.seed}-poisson-{rate}")
+    stream = mixed_stream(p_embed, w, prefix="q")
+    t, out = 0.0, []
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        req = next(stream)
+        req.arrival_s = t
+        out.append(req)
+    return out
