@@ -72,6 +72,7 @@ class _Before:
     running: list[Request]
     decodes: list[Request]
     table_lens: dict[int, int]
+    reserved: int = 0  # sequence slots the policy kept from decodes (for pending embeddings)
 
 
 class FakeEngine:
@@ -104,7 +105,8 @@ class FakeEngine:
     def step(self) -> SchedulerOutput:
         before = _Before(running=list(self.scheduler.running),
                          decodes=[r for r in self.scheduler.running if r.is_decoding],
-                         table_lens={id(r): len(r.block_table) for r in self.scheduler.running})
+                         table_lens={id(r): len(r.block_table) for r in self.scheduler.running},
+                         reserved=self.scheduler.policy.reserved_seqs(self.scheduler))
         out = self.scheduler.schedule()
         check_schedule(self, out, before)
         self.num_preemptions += len(out.preempted)
@@ -248,6 +250,6 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
     if homo_embed_step:
         assert not any(not s.req.is_embed for s in out.scheduled), "unified-homo step mixed the kinds"
     if (not out.preempted and not homo_embed_step
-            and len(before.decodes) <= min(cfg.max_num_batched_tokens, cfg.max_num_seqs)):
+            and len(before.decodes) <= min(cfg.max_num_batched_tokens, cfg.max_num_seqs - before.reserved)):
         for d in before.decodes:
             assert sched.get(id(d), 0) >= 1, f"running decode {d.req_id} skipped a step"

@@ -133,3 +133,20 @@ def test_every_policy_finishes_a_mixed_backlog(policy):
     reqs += [make_request(f"x{i}", "encoder", 30) for i in range(3)]
     eng.run([(i % 4, r, None) for i, r in enumerate(reqs)])
     assert all(r.is_finished for r in reqs)
+
+
+def test_orthrus_keeps_sequence_slots_for_embeddings_when_decodes_fill_them():
+    eng = _engine("orthrus", budget=100, seqs=8, min_share=0.25)
+    for i in range(8):
+        eng.add(make_request(f"g{i}", "generate", 4, max_tokens=50))
+    eng.step()  # eight prompts in one step; from now on eight decodes would take every slot
+    eng.add(make_request("e0", "embed", 30))
+    out = eng.step()
+    assert [s.req.req_id for s in out.scheduled if s.req.is_embed] == ["e0"]
+    assert sum(not s.req.is_embed for s in out.scheduled) == 6  # ceil(0.25 x 8) = 2 slots kept
+    eng = _engine("hetero-fcfs", budget=100, seqs=8)
+    for i in range(8):
+        eng.add(make_request(f"g{i}", "generate", 4, max_tokens=50))
+    eng.step()
+    eng.add(make_request("e0", "embed", 30))
+    assert not any(s.req.is_embed for s in eng.step().scheduled)  # the baseline has no such guard

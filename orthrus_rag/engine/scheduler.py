@@ -123,17 +123,18 @@ class Scheduler:
             preempted = out.preempted
             if allow_embed != allow_generate:
                 allow_embed, allow_generate = allow_generate, allow_embed
-            out = self._schedule(allow_embed, allow_generate)
+            out = self._schedule(allow_embed, allow_generate, reserve=False)
             out.preempted = preempted + out.preempted
         return out
 
-    def _schedule(self, allow_embed: bool, allow_generate: bool) -> SchedulerOutput:
+    def _schedule(self, allow_embed: bool, allow_generate: bool, reserve: bool = True) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
-        # 1. decodes: one token each
+        # 1. decodes: one token each, leaving the sequence slots the policy reserves for the other kind
         if allow_generate:
+            max_decodes = cfg.max_num_seqs - (self.policy.reserved_seqs(self) if reserve else 0)
             for req in [r for r in self.running if r.is_decoding]:
-                if self._budget_left(out) < 1 or len(out.scheduled) >= cfg.max_num_seqs:
+                if self._budget_left(out) < 1 or len(out.scheduled) >= max_decodes:
                     break
                 if req in self.running:
                     self._schedule_running(req, 1, out)
