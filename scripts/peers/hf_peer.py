@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+from polling import PollMixin  # noqa: E402 (a sibling module: scripts/peers/)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -37,7 +39,7 @@ def _resolve(name: str) -> str:
     return str(resolve_model_path(name))
 
 
-class HfPeer:
+class HfPeer(PollMixin):
     """transformers generation (continuous or static batches) and embeddings, one thread each."""
 
     def __init__(self, gen_model: str = "smollm2-135m-instruct", embed_model: str = "smollm2-135m-instruct", *,
@@ -115,19 +117,6 @@ class HfPeer:
             self._embed_q.put((str(request_id), input_text, params))
         else:
             raise ValueError(f"kind must be {EMBED!r} or {GENERATE!r}, not {kind!r}")
-
-    def poll(self, timeout_s: float = 0.0) -> list[dict]:
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        with self._cond:
-            while not self._results and not self._errors:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            if self._errors and not self._results:
-                raise RuntimeError("; ".join(self._errors))
-            out, self._results = self._results, []
-        return out
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         self._gen_q.put(_STOP)

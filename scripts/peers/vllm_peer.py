@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polling import PollMixin  # noqa: E402 (a sibling module: scripts/peers/)
+
 EMBED, GENERATE = "embed", "generate"
 TCMALLOC_CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -171,7 +173,7 @@ def _engine_main(role: str, model: str, llm_kwargs: dict, env: dict, pin_cpus: l
 # ---------------------------------------------------------------- parent side ------------------------------------
 
 
-class VllmDedicatedPeer:
+class VllmDedicatedPeer(PollMixin):
     """Two vLLM engines (generation, pooling), one core each, behind submit / poll / shutdown."""
 
     def __init__(self, gen_model: str = "smollm2-135m-instruct", embed_model: str = "smollm2-135m-instruct", *,
@@ -304,20 +306,6 @@ class VllmDedicatedPeer:
         if self._errors:
             raise RuntimeError("; ".join(self._errors))
         self._in_q[kind].put(("req", kind, str(request_id), input_text, params_dict or {}))
-
-    def poll(self, timeout_s: float = 0.0) -> list[dict]:
-        """Completions so far (waiting up to timeout_s for the first): request_id, kind, finished_at, n_tokens."""
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        with self._cond:
-            while not self._results and not self._errors:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            if self._errors and not self._results:
-                raise RuntimeError("; ".join(self._errors))
-            out, self._results = self._results, []
-        return out
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop both engines (each shuts its engine core down and exits), then reap the processes."""
