@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orthrus_rag.data.loaders import DATASETS as _DATASET_SPECS
 from orthrus_rag.engine.policies import POLICIES
+from orthrus_rag.pipelines.iter_retgen import PIPELINES
+from orthrus_rag.retrievers.faiss_index import INDEX_TYPES
 
-DATASETS = ("synthetic", "2wiki", "hotpotqa")
-INDEX_TYPES = ("flat", "ivf", "hnsw")
-PIPELINES = ("iter_retgen", "standard_rag", "no_retrieval")
+# NOTE: the names come from the modules that implement them, so a new dataset/index/pipeline needs no edit here
+DATASETS = tuple(_DATASET_SPECS)
 
 
 @dataclass
