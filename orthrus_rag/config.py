@@ -20,6 +20,8 @@ class ModelConfig:
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # fp32 on CPU: run Linear layers on a oneDNN copy of their weights (layers/linear.py; ~2x MKL on AMD CPUs)
+    onednn_linear: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.engine import Engine
+from orthrus_rag.layers.linear import onednn_available, pack_linears
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
@@ -39,4 +40,8 @@ def build_engine(config: EngineConfig) -> Engine:
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
+    if mc.onednn_linear and onednn_available(mc.torch_dtype, mc.device):
+        pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
+        if encoder is not None:
+            pack_linears(encoder)
     return Engine(config, model, tokenizer, slots, encoder, encoder_tokenizer, encoder_pooling)

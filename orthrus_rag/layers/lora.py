@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from orthrus_rag.layers.context import get_forward_context
+from orthrus_rag.layers.linear import linear
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
+        if getattr(base, "_onednn", None) is not None:  # keep a packed base's oneDNN copy (layers/linear.py)
+            self._onednn = base._onednn
         self.scalings: dict[int, float] = {}
 
     def add_adapter(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
@@ -123,7 +125,7 @@ class LoRALinear(nn.Linear):
         self.scalings[slot] = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(self, x)
         lora_rows = get_forward_context().lora_rows
         if not lora_rows or not self.scalings:
             return y

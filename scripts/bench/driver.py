@@ -150,6 +150,8 @@ class _Tracker:
             rec.finish_s = self.now()
             if isinstance(out, GenerationOutput):
                 rec.num_output_tokens = len(out.token_ids)
+                if out.finish_reason in ("error", "abort"):
+                    rec.error = out.finish_reason
             elif isinstance(out, EmbeddingOutput) and out.error:
                 rec.error = out.error
             done += 1

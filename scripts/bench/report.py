@@ -33,12 +33,13 @@ def _ratio(a: float, b: float | None) -> str:
     return "–" if not b else f"{a / b:.2f}×"
 
 
-def markdown_table(rows: list[dict], baseline: str = "dedicated", peer: str | None = None) -> str:
+def markdown_table(rows: list[dict], baseline: str = "dedicated", peer: str | None = None,
+                   group_name: str = "mix") -> str:
     """One line per (group, system): requests/s and latency p50/p95/p99 per kind, × the baseline's and the
     peer's throughput in the same group."""
     by_key = {(r["group"], r["system"]): r for r in rows}
     refs = [name for name in (baseline, peer) if name and any(r["system"] == name for r in rows)]
-    head = ["mix", "system", "emb req/s", "gen req/s", "emb p50/p95/p99 s", "gen p50/p95/p99 s"]
+    head = [group_name, "system", "emb req/s", "gen req/s", "emb p50/p95/p99 s", "gen p50/p95/p99 s"]
     head += [f"{k} × {ref}" for ref in refs for k in ("emb", "gen")] + ["CPU %"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -58,6 +59,7 @@ def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
+    logging.getLogger("matplotlib.category").setLevel(logging.WARNING)  # mixes like "9:1" are categories on purpose
     import matplotlib.pyplot as plt
 
     return plt

@@ -1,0 +1,148 @@
+"""Runs one experiment over every configured system, side by side, and the peers in their own interpreter.
+
+An experiment module (scripts/bench/experiments/) provides
+
+- `run_system(session, cfg) -> {group: RunResult}`: its workload against one system (a group is e.g. a mix or
+  an arrival rate; `session.reset()` gives a fresh system when leftovers would spoil the next group), and
+- `report(cfg, results, out)`: JSON, markdown and PNGs from `{system: {group: RunResult dict}}`.
+
+Systems of this project are built here (`make_client`); a peer (`vllm`, `hf`) runs the same `run_system` in a
+subprocess (`peer_main.py`) under `peers_python` (vLLM lives in its own venv, `make peers`) and hands back its
+results as JSON, so every system of one experiment is measured by the same driver code in the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from orthrus_rag.engine.deploy import SYSTEMS, EngineSpec, ServingClient, make_client
+
+from .driver import RunResult
+from .peer_client import PEERS, make_peer
+from .workloads import Workload, make_request
+
+logger = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Session:
+    """One system under test: its client, rebuilt on `reset()`."""
+
+    def __init__(self, name: str, factory: Callable[[], ServingClient]) -> None:
+        self.name, self._factory = name, factory
+        self.client = factory()
+
+    def reset(self) -> None:
+        self.client.shutdown()
+        self.client = self._factory()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+
+def engine_spec(cfg: DictConfig) -> EngineSpec:
+    e = cfg.engine
+    return EngineSpec(cfg.model, overrides={
+        "max_num_batched_tokens": e.max_num_batched_tokens, "max_chunk_tokens": e.max_chunk_tokens,
+        "max_num_seqs": e.max_num_seqs, "num_blocks": e.num_blocks, "min_share": e.min_share})
+
+
+def system_factory(system: str, cfg: DictConfig) -> Callable[[], ServingClient]:
+    if system in PEERS:
+        opts = cfg.peer_options.get(system)
+        kwargs = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
+        return lambda: make_peer(system, embed_model=cfg.model, temperature=cfg.workload.temperature,
+                                 **kwargs)  # type: ignore[arg-type]
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))}")
+    threads = tuple(cfg.threads.split) if system in ("dedicated", "disagg-pd") else cfg.threads.inproc
+    spec = engine_spec(cfg)
+    return lambda: make_client(system, spec, threads)
+
+
+def workload(cfg: DictConfig, **changes: Any) -> Workload:
+    w = cfg.workload
+    fields = {"words": w.words, "max_tokens": w.max_tokens, "temperature": w.temperature, "seed": cfg.seed}
+    return Workload(**{**fields, **changes})
+
+
+def warm_up(client: ServingClient, w: Workload, timeout_s: float = 600.0) -> None:
+    """Two requests of each kind first, so one-off costs (first forward, lazy imports) are not measured."""
+    import random
+
+    rng = random.Random(0)
+    reqs = [make_request(rng, kind, f"warm-{kind}-{i}", Workload(w.words, 4)) for kind in ("embed", "generate")
+            for i in range(2)]
+    for r in reqs:
+        client.submit(r.kind, r.request_id, r.input, r.params)  # type: ignore[arg-type]
+    left, deadline = len(reqs), time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        left -= len(client.poll(0.05))
+    if left:
+        raise RuntimeError(f"warm-up did not finish within {timeout_s:.0f} s")
+
+
+def run_local(system: str, cfg: DictConfig, exp: ModuleType) -> dict[str, dict]:
+    """`exp.run_system` on one system built in this interpreter; RunResults as dicts."""
+    t0 = time.monotonic()
+    session = Session(system, system_factory(system, cfg))
+    try:
+        logger.info("%s: ready in %.1f s", system, time.monotonic() - t0)
+        warm_up(session.client, workload(cfg))
+        results: dict[str, RunResult] = exp.run_system(session, cfg)
+    finally:
+        session.shutdown()
+    return {group: r.to_dict() for group, r in results.items()}
+
+
+def peer_python(cfg: DictConfig, peer: str) -> str | None:
+    """The interpreter a peer runs under: vLLM needs the peers venv; transformers runs anywhere."""
+    if peer == "hf":
+        return sys.executable
+    path = Path(cfg.peers_python)
+    path = path if path.is_absolute() else ROOT / path
+    return str(path) if path.exists() else None
+
+
+def run_peer(peer: str, cfg: DictConfig, experiment: str) -> dict[str, dict] | None:
+    """`run_local` for a peer in a subprocess; None (logged) when its venv is missing or it fails."""
+    python = peer_python(cfg, peer)
+    if python is None:
+        logger.warning("peer %s skipped: %s not found (install it with `make peers`)", peer, cfg.peers_python)
+        return None
+    with tempfile.TemporaryDirectory(prefix=f"bench_{peer}_") as tmp:
+        cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "results.json"
+        cfg_path.write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True)))
+        cmd = [python, str(Path(__file__).with_name("peer_main.py")), "--experiment", experiment,
+               "--system", peer, "--config", str(cfg_path), "--out", str(out_path)]
+        logger.info("peer %s: %s", peer, " ".join(cmd))
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=cfg.peer_timeout_s)
+        if proc.returncode != 0 or not out_path.exists():
+            logger.error("peer %s failed (exit code %s); its rows are missing", peer, proc.returncode)
+            return None
+        return json.loads(out_path.read_text())
+
+
+def run_experiment(cfg: DictConfig, exp: ModuleType, experiment: str) -> dict[str, dict[str, dict]]:
+    """Every system in `cfg.systems`, then every peer in `cfg.peers`; `{system: {group: RunResult dict}}`."""
+    results: dict[str, dict[str, dict]] = {}
+    for system in cfg.systems:
+        logger.info("== %s: %s", experiment, system)
+        results[system] = run_local(system, cfg, exp)
+    for peer in cfg.peers:
+        logger.info("== %s: peer %s", experiment, peer)
+        got = run_peer(peer, cfg, experiment)
+        if got is not None:
+            results[peer] = got
+    return results

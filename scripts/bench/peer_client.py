@@ -1,0 +1,77 @@
+"""A peer (scripts/peers/: vLLM or transformers) behind the `ServingClient` seam the load drivers use.
+
+Peers take plain dicts of vLLM-style fields and report completions as dicts; the drivers want
+`GenerationOutput` / `EmbeddingOutput`. Only what the drivers read is filled in (request id, the number of
+generated tokens, an error); a completion's time is when `poll` returns it, as for every other system.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+PEERS = ("vllm", "hf")
+PEERS_DIR = Path(__file__).resolve().parents[1] / "peers"
+
+
+def sampling_dict(params: SamplingParams | PoolingParams | None) -> dict[str, Any]:
+    """The fields both peers understand (vLLM SamplingParams names); pooling requests take the peer's default."""
+    if not isinstance(params, SamplingParams):
+        return {}
+    out: dict[str, Any] = {"max_tokens": params.max_tokens, "temperature": params.temperature,
+                           "ignore_eos": params.ignore_eos}
+    if params.seed is not None:
+        out["seed"] = params.seed
+    return out
+
+
+class PeerClient:
+    """Wraps a `VllmDedicatedPeer` or `HfPeer` (anything with submit(kind, id, text, dict) / poll / shutdown)."""
+
+    def __init__(self, peer: Any) -> None:
+        self.peer = peer
+
+    def submit(self, kind: str, request_id: str, input: str | Sequence[int],
+               params: SamplingParams | PoolingParams | None) -> None:
+        if not isinstance(input, str):
+            raise TypeError("peers take text inputs only")
+        self.peer.submit(kind, request_id, input, sampling_dict(params))
+
+    def poll(self, timeout_s: float) -> list[GenerationOutput | EmbeddingOutput]:
+        outs: list[GenerationOutput | EmbeddingOutput] = []
+        for d in self.peer.poll(timeout_s):
+            rid, err = d["request_id"], d.get("error")
+            if d["kind"] == "generate":
+                # NOTE: the drivers count generated tokens; the ids themselves stay in the peer
+                outs.append(GenerationOutput(rid, [], [0] * int(d.get("n_tokens", 0)), d.get("text", ""),
+                                             "error" if err else "length"))
+            else:
+                import torch
+
+                outs.append(EmbeddingOutput(rid, [], torch.empty(0), "error" if err else "stop", error=err))
+        return outs
+
+    def shutdown(self) -> None:
+        self.peer.shutdown()
+
+
+def make_peer(name: str, embed_model: str = "smollm2-135m-instruct", temperature: float = 0.7,
+              **kwargs: Any) -> PeerClient:
+    """`vllm`: two vLLM engines, one core each (needs the peers venv); `hf`: transformers continuous batching +
+    a padded-batch embedder, one thread each."""
+    if str(PEERS_DIR) not in sys.path:
+        sys.path.insert(0, str(PEERS_DIR))
+    if name == "vllm":
+        from vllm_peer import VllmDedicatedPeer
+
+        return PeerClient(VllmDedicatedPeer(embed_model=embed_model, **kwargs))
+    if name == "hf":
+        from hf_peer import HfPeer
+
+        return PeerClient(HfPeer(embed_model=embed_model, temperature=temperature, **kwargs))
+    raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")

@@ -1,0 +1,51 @@
+"""One command per benchmark experiment (issue 5), Hydra-configured (scripts/bench/conf/):
+
+    python scripts/benchmark.py experiment=ratio_sweep        # -> runs/bench/ratio_sweep/{results.json,table.md,*.png}
+    python scripts/benchmark.py experiment=three_phase
+    python scripts/benchmark.py experiment=fcfs_blocking
+    python scripts/benchmark.py experiment=poisson
+    python scripts/benchmark.py experiment=iter_retgen         # 2Wiki questions from ../shared/data
+    python scripts/benchmark.py experiment=chunk_equivalence
+
+Override anything on the command line, e.g. `systems=[orthrus,dedicated] peers=[] experiment.duration_s=10`.
+Systems run one after another on the same machine; nothing else should run meanwhile (the figures are times).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `bench` is scripts/bench/
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+logger = logging.getLogger("benchmark")
+
+
+def run(cfg: DictConfig) -> Path:
+    """Run `cfg.experiment.name` and write its report to `cfg.out` (tests call this with a composed config)."""
+    name = cfg.experiment.name
+    exp = importlib.import_module(f"bench.experiments.{name}")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    logger.info("experiment %s -> %s\n%s", name, out, OmegaConf.to_yaml(cfg))
+    exp.main(cfg, out)
+    logger.info("experiment %s done in %.0f s; report in %s", name, time.monotonic() - t0, out)
+    return out
+
+
+@hydra.main(version_base="1.3", config_path="bench/conf", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":  # NOTE: deployments spawn worker processes, which re-import this module
+    main()
