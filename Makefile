@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test bench clean peers
+.PHONY: install demo test bench bench-all clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ test: install
 
 bench: install
 	$(PY) scripts/bench_engine.py
+
+# every experiment of the paper (scripts/bench/conf/experiment/), the vLLM peer included when `make peers` ran
+BENCH_EXPERIMENTS ?= chunk_equivalence ratio_sweep three_phase fcfs_blocking poisson iter_retgen
+bench-all: install
+	for e in $(BENCH_EXPERIMENTS); do $(PY) scripts/benchmark.py experiment=$$e || exit 1; done
 
 # The measured peers (vLLM on CPU, transformers) live in their own venv so the default install stays light.
 # Needs apt as root for Debian's libtcmalloc-minimal4 (LD_PRELOAD, as vLLM's CPU docs advise); skipped when present.

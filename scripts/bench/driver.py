@@ -49,10 +49,11 @@ class RunResult:
     records: list[RequestRecord]
     steps: list[dict]  # per engine step: t (s), embed / prefill / decode / encoder tokens, step_time
     cpu: list[tuple[float, float]]  # (t, CPU % of one core, this process and its children)
+    warmup_s: float = 0.0  # completions before this are not counted (the clients' synchronized start)
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "window_s": self.window_s, "records": [asdict(r) for r in self.records],
-                "steps": self.steps, "cpu": self.cpu}
+        return {"label": self.label, "window_s": self.window_s, "warmup_s": self.warmup_s,
+                "records": [asdict(r) for r in self.records], "steps": self.steps, "cpu": self.cpu}
 
 
 class CpuSampler:
@@ -172,9 +173,13 @@ class _Tracker:
 
 def closed_loop(client: ServingClient, requests: Iterable[RequestSpec], concurrency: int,
                 duration_s: float | None = None, max_requests: int | None = None, drain_timeout_s: float = 120.0,
-                poll_s: float = 0.05, label: str = "") -> RunResult:
+                poll_s: float = 0.05, label: str = "", warmup_s: float = 0.0) -> RunResult:
     """`concurrency` clients submit back to back until `duration_s` passes, `max_requests` were submitted or
-    `requests` runs out; then in-flight requests drain (they count only if they finished within the window)."""
+    `requests` runs out; then in-flight requests drain (they count only if they finished within the window).
+    The run stops at `duration_s + drain_timeout_s` (or `drain_timeout_s` without a duration) whatever is left.
+    `warmup_s`: completions before it are left out of the summary (throughput over `duration_s - warmup_s`)."""
+    if duration_s is not None and not 0.0 <= warmup_s < duration_s:
+        raise ValueError(f"warmup_s must be in [0, duration_s), got {warmup_s} for duration {duration_s}")
     if concurrency < 1:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
     it: Iterator[RequestSpec] = iter(requests)
@@ -194,11 +199,14 @@ def closed_loop(client: ServingClient, requests: Iterable[RequestSpec], concurre
 
     for _ in range(concurrency):
         submit_next()
-    limit = None if duration_s is None else duration_s + drain_timeout_s
-    while tr.inflight and (limit is None or tr.now() < limit):
+    # NOTE: bounded either way: without a duration, drain_timeout_s bounds the whole run
+    limit = (duration_s or 0.0) + drain_timeout_s
+    while tr.inflight and tr.now() < limit:
         for _ in range(tr.poll(poll_s)):
             submit_next()
-    return tr.result(label, duration_s)
+    res = tr.result(label, duration_s)
+    res.warmup_s = warmup_s
+    return res
 
 
 def open_loop(client: ServingClient, schedule: list[RequestSpec], duration_s: float | None = None,
@@ -207,8 +215,10 @@ def open_loop(client: ServingClient, schedule: list[RequestSpec], duration_s: fl
     caused by a busy caller counts against the system it runs in)."""
     pending = sorted(schedule, key=lambda r: r.arrival_s)
     tr, i = _Tracker(client), 0
-    limit = None if duration_s is None else duration_s + drain_timeout_s
-    while (i < len(pending) or tr.inflight) and (limit is None or tr.now() < limit):
+    # NOTE: bounded: submissions end at duration_s (else at the last arrival), then drain_timeout_s at most
+    last = pending[-1].arrival_s if pending else 0.0
+    limit = (last if duration_s is None else min(duration_s, last)) + drain_timeout_s
+    while (i < len(pending) or tr.inflight) and tr.now() < limit:
         now = tr.now()
         while i < len(pending) and pending[i].arrival_s <= now and (duration_s is None or now < duration_s):
             tr.submit(pending[i], start_s=pending[i].arrival_s)
@@ -221,16 +231,18 @@ def open_loop(client: ServingClient, schedule: list[RequestSpec], duration_s: fl
 
 
 def summarize(result: RunResult) -> dict:
-    """Per kind: completed within the window, requests/s, latency p50/p95/p99; the step mix; mean CPU."""
+    """Per kind: completed within the window (after the warm-up), requests/s, latency p50/p95/p99; the step mix
+    and mean CPU over the whole run."""
     out: dict = {"label": result.label, "window_s": result.window_s, "kinds": {},
                  "unfinished": sum(r.finish_s is None for r in result.records)}
+    measured = result.window_s - result.warmup_s
     for kind in KINDS:
         done = [r for r in result.records if r.kind == kind and r.finish_s is not None
-                and r.finish_s <= result.window_s + 1e-9 and r.error is None]
+                and result.warmup_s < r.finish_s <= result.window_s + 1e-9 and r.error is None]
         lat = np.array([r.latency_s for r in done]) if done else np.zeros(0)
         pct = np.percentile(lat, [50, 95, 99]).tolist() if len(lat) else [float("nan")] * 3
         out["kinds"][kind] = {
-            "completed": len(done), "throughput_rps": len(done) / result.window_s if result.window_s else 0.0,
+            "completed": len(done), "throughput_rps": len(done) / measured if measured > 0 else 0.0,
             "p50_s": pct[0], "p95_s": pct[1], "p99_s": pct[2],
             "mean_s": float(lat.mean()) if len(lat) else float("nan"),
             "errors": sum(r.kind == kind and r.error is not None for r in result.records)}

@@ -73,7 +73,8 @@ def system_factory(system: str, cfg: DictConfig) -> Callable[[], ServingClient]:
 
 def workload(cfg: DictConfig, **changes: Any) -> Workload:
     w = cfg.workload
-    fields = {"words": w.words, "max_tokens": w.max_tokens, "temperature": w.temperature, "seed": cfg.seed}
+    fields = {"words": w.words, "max_tokens": w.max_tokens, "temperature": w.temperature, "seed": cfg.seed,
+              "spread": w.spread}
     return Workload(**{**fields, **changes})
 
 

@@ -28,6 +28,19 @@ class Workload:
     temperature: float = 0.7
     ignore_eos: bool = True  # NOTE: every generation does the same work on every system (no early EOS)
     seed: int = 0
+    # lengths drawn uniformly from [1 - spread, 1 + spread] x words / max_tokens (same draws for every system);
+    # NOTE: with equal lengths, closed-loop clients started together finish in lock-step waves, and a window
+    # then counts whole waves (measured: 64 clients at 1:9 completed exactly 3 x 64 generations in 30 s)
+    spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.spread < 1.0:
+            raise ValueError(f"spread must be in [0, 1), got {self.spread}")
+
+    def draw(self, rng: random.Random, mean: int) -> int:
+        if not self.spread:
+            return mean
+        return max(1, round(mean * rng.uniform(1.0 - self.spread, 1.0 + self.spread)))
 
 
 @dataclass
@@ -45,11 +58,11 @@ def make_text(rng: random.Random, words: int) -> str:
 
 
 def make_request(rng: random.Random, kind: str, request_id: str, w: Workload) -> RequestSpec:
-    text = make_text(rng, w.words)
+    text = make_text(rng, w.draw(rng, w.words))
     if kind == "embed":
         return RequestSpec(kind, request_id, text, PoolingParams(pooling="mean"))
-    params = SamplingParams(max_tokens=w.max_tokens, temperature=w.temperature, ignore_eos=w.ignore_eos,
-                            seed=rng.randrange(1 << 31))
+    params = SamplingParams(max_tokens=w.draw(rng, w.max_tokens), temperature=w.temperature,
+                            ignore_eos=w.ignore_eos, seed=rng.randrange(1 << 31))
     return RequestSpec(kind, request_id, text, params)
 
 
@@ -72,7 +85,7 @@ def fcfs_blocking(num_generate: int, num_embed: int, w: Workload, long_max_token
     """The worst case for FCFS: `num_generate` long generations submitted first, then `num_embed` embeddings,
     all at time 0 (paper: 375 x 1024 tokens, then 250)."""
     rng = random.Random(f"{w.seed}-fcfs")
-    long = Workload(w.words, long_max_tokens, w.temperature, w.ignore_eos, w.seed)
+    long = Workload(w.words, long_max_tokens, w.temperature, w.ignore_eos, w.seed, w.spread)
     gens = [make_request(rng, "generate", f"g-{i}", long) for i in range(num_generate)]
     return gens + [make_request(rng, "embed", f"e-{i}", w) for i in range(num_embed)]
 

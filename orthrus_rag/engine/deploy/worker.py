@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
+import time
 import traceback
 from collections import defaultdict
 from typing import Any
@@ -56,6 +57,7 @@ class _Worker:
         self.results = results
         self.handoff_to = handoff_to
         self.tags: dict[str, tuple[int, int]] = {}  # request id -> (batch, index in the caller's list)
+        self._last_parent_check = time.monotonic()
 
     def serve(self) -> None:
         """Receive, add, step while work exists, send finished outputs back; ends on `stop` or parent exit."""
@@ -76,9 +78,13 @@ class _Worker:
                 msgs.append(loads(self.inbox.get_nowait()))
         except queue.Empty:
             pass
-        parent = mp.parent_process()
-        if block and not msgs and parent is not None and not parent.is_alive():
-            return [("stop",)]
+        # NOTE: also while busy (at most every IDLE_POLL_S): an orphan must not keep stepping a backlog
+        now = time.monotonic()
+        if (block and not msgs) or now - self._last_parent_check >= IDLE_POLL_S:
+            self._last_parent_check = now
+            parent = mp.parent_process()
+            if parent is not None and not parent.is_alive():
+                return [("stop",)]
         return msgs
 
     def _handle(self, msg: tuple) -> None:

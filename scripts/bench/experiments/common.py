@@ -11,7 +11,7 @@ def as_result(d: dict) -> RunResult:
     from ..driver import RequestRecord
 
     return RunResult(d["label"], d["window_s"], [RequestRecord(**r) for r in d["records"]], d["steps"],
-                     [tuple(c) for c in d["cpu"]])
+                     [tuple(c) for c in d["cpu"]], d.get("warmup_s", 0.0))
 
 
 def rows(results: dict[str, dict[str, dict]], groups: list[str]) -> list[dict]:

@@ -1,0 +1,106 @@
+"""Three-phase workload (paper: 250 requests per phase at 10% / 50% / 90% embeddings, at most C in flight):
+per-phase throughput and how busy the hardware was (CPU use, and for one engine the share of the step budget
+filled)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig
+
+from ..driver import RunResult, closed_loop
+from ..harness import Session, run_experiment, workload
+from ..report import _fmt, _plt, _save, plot_latency_cdf, plot_step_mix, write_json
+from ..workloads import three_phase
+from .common import first_peer
+
+logger = logging.getLogger(__name__)
+GROUP = "all"
+
+
+def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
+    x = cfg.experiment
+    phases = three_phase(x.per_phase, workload(cfg), tuple(x.fractions))
+    reqs = [r for phase in phases for r in phase]
+    res = closed_loop(session.client, reqs, x.clients, None, drain_timeout_s=x.drain_timeout_s,
+                      label=f"{session.name} three-phase")
+    return {GROUP: res}
+
+
+def phase_stats(run: dict, budget: int) -> list[dict]:
+    """Per phase: its requests' span (first start to last finish), requests/s, latency per kind, mean CPU % and
+    (one engine) tokens per step as a share of the budget, over that span."""
+    out = []
+    for k in sorted({r["tags"]["phase"] for r in run["records"]}):
+        recs = [r for r in run["records"] if r["tags"]["phase"] == k]
+        done = [r for r in recs if r["finish_s"] is not None and r["error"] is None]
+        t0, t1 = min(r["start_s"] for r in recs), max((r["finish_s"] for r in done), default=float("nan"))
+        span = t1 - t0
+        row = {"phase": k, "embed_frac": sum(r["kind"] == "embed" for r in recs) / len(recs),
+               "completed": len(done), "unfinished": len(recs) - len(done), "span_s": span,
+               "throughput_rps": len(done) / span if span > 0 else float("nan")}
+        for kind in ("embed", "generate"):
+            lat = [r["finish_s"] - r["start_s"] for r in done if r["kind"] == kind]
+            row[f"{kind}_p50_s"], row[f"{kind}_p99_s"] = (np.percentile(lat, [50, 99]).tolist() if lat
+                                                          else [float("nan")] * 2)
+        cpu = [c for t, c in run["cpu"] if t0 <= t <= t1]
+        row["cpu_mean_pct"] = float(np.mean(cpu)) if cpu else float("nan")
+        steps = [s for s in run["steps"] if t0 <= s["t"] <= t1]
+        row["budget_fill"] = (float(np.mean([(s["embed"] + s["prefill"] + s["decode"]) / budget for s in steps]))
+                              if steps else float("nan"))
+        row["busy_frac"] = (sum(s["step_time"] for s in steps) / span) if steps and span > 0 else float("nan")
+        out.append(row)
+    return out
+
+
+def main(cfg: DictConfig, out: Path) -> None:
+    results = run_experiment(cfg, __import__(__name__, fromlist=["run_system"]), "three_phase")
+    report(cfg, results, out)
+
+
+def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> None:
+    budget = cfg.engine.max_num_batched_tokens
+    stats = {system: phase_stats(runs[GROUP], budget) for system, runs in results.items()}
+    write_json(out / "results.json", {"phases": stats, "runs": results})
+    refs = [r for r in (cfg.baseline, first_peer(cfg, results)) if r and r in stats]
+    head = ["phase (embed %)", "system", "req/s", *[f"× {r}" for r in refs], "emb p50/p99 s", "gen p50/p99 s",
+            "CPU %", "budget filled", "engine busy"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    phases = max((len(s) for s in stats.values()), default=0)
+    for k in range(phases):
+        for system, rows in stats.items():
+            if k >= len(rows):
+                continue
+            r = rows[k]
+            cells = [f"{k + 1} ({100 * r['embed_frac']:.0f}%)", system, _fmt(r["throughput_rps"])]
+            cells += [_fmt(r["throughput_rps"] / stats[ref][k]["throughput_rps"]) + "×" for ref in refs]
+            cells += [f"{_fmt(r['embed_p50_s'])}/{_fmt(r['embed_p99_s'])}",
+                      f"{_fmt(r['generate_p50_s'])}/{_fmt(r['generate_p99_s'])}", _fmt(r["cpu_mean_pct"], 0),
+                      _fmt(100 * r["budget_fill"], 0) + "%" if r["budget_fill"] == r["budget_fill"] else "–",
+                      _fmt(100 * r["busy_frac"], 0) + "%" if r["busy_frac"] == r["busy_frac"] else "–"]
+            lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    (out / "table.md").write_text(table)
+    plot_completions(results, out / "completions.png")
+    plot_latency_cdf({s: runs[GROUP] for s, runs in results.items()}, out / "latency_cdf.png", title="(three-phase)")
+    plot_step_mix({s: runs[GROUP] for s, runs in results.items()}, out / "step_mix.png", title="(three-phase)")
+    logger.info("\n%s", table)
+
+
+def plot_completions(results: dict[str, dict[str, dict]], path: Path, bin_s: float = 2.0) -> Path:
+    """Completed requests/s over time per system, phases shaded by their first submission."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for system, runs in results.items():
+        fin = np.array([r["finish_s"] for r in runs[GROUP]["records"] if r["finish_s"] is not None])
+        if not len(fin):
+            continue
+        edges = np.arange(0.0, fin.max() + bin_s, bin_s)
+        ax.plot(edges[:-1], np.histogram(fin, edges)[0] / bin_s, label=system)
+    ax.set(title="completed requests/s (three phases: 10% / 50% / 90% embeddings)", xlabel="time (s)",
+           ylabel="requests/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
