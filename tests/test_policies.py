@@ -143,7 +143,12 @@ def test_orthrus_keeps_sequence_slots_for_embeddings_when_decodes_fill_them():
     eng.add(make_request("e0", "embed", 30))
     out = eng.step()
     assert [s.req.req_id for s in out.scheduled if s.req.is_embed] == ["e0"]
-    assert sum(not s.req.is_embed for s in out.scheduled) == 6  # ceil(0.25 x 8) = 2 slots kept
+    assert sum(not s.req.is_embed for s in out.scheduled) == 7  # one embedding pending: one slot kept, not 2
+    for i in (1, 2, 3):
+        eng.add(make_request(f"e{i}", "embed", 30))
+    out = eng.step()
+    assert sum(s.req.is_embed for s in out.scheduled) == 2  # ceil(0.25 x 8) = 2 slots at most
+    assert sum(not s.req.is_embed for s in out.scheduled) == 6
     eng = _engine("hetero-fcfs", budget=100, seqs=8)
     for i in range(8):
         eng.add(make_request(f"g{i}", "generate", 4, max_tokens=50))

@@ -77,10 +77,10 @@ class OrthrusPolicy(_Base):
         # NOTE: measured on 2Wiki Iter-RetGen (200 questions at once): with every sequence slot held by decodes,
         # query embeddings waited behind the whole prompt backlog (retrieval p95 636 s). min_share also
         # guards the slots, not only the tokens.
-        if not any(r.is_embed for r in sched.waiting) and not any(r.is_embed for r in sched.running):
-            return 0
+        # never more slots than embeddings are pending: a slot no embedding can use would only hold a decode back
         # (always leave decodes at least one slot)
-        return min(math.ceil(self.min_share * sched.config.max_num_seqs), sched.config.max_num_seqs - 1)
+        wanted = len(sched.pending(embed=True))
+        return min(math.ceil(self.min_share * sched.config.max_num_seqs), wanted, sched.config.max_num_seqs - 1)
 
     def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
