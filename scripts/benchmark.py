@@ -7,7 +7,8 @@
     python scripts/benchmark.py experiment=iter_retgen         # 2Wiki questions from ../shared/data
     python scripts/benchmark.py experiment=chunk_equivalence
 
-Override anything on the command line, e.g. `systems=[orthrus,dedicated] peers=[] experiment.duration_s=10`.
+Override anything on the command line, e.g. `systems=[orthrus,dedicated] peers=[] experiment.duration_s=10`;
+`report_only=true` redraws table.md and the plots from the run's results.json (experiments that store `runs`).
 Systems run one after another on the same machine; nothing else should run meanwhile (the figures are times).
 """
 
@@ -36,6 +37,11 @@ def run(cfg: DictConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    if cfg.get("report_only"):  # redraw the tables and plots from an earlier run's results.json
+        import json
+
+        exp.report(cfg, json.loads((out / "results.json").read_text())["runs"], out)
+        return out
     logger.info("experiment %s -> %s\n%s", name, out, OmegaConf.to_yaml(cfg))
     exp.main(cfg, out)
     logger.info("experiment %s done in %.0f s; report in %s", name, time.monotonic() - t0, out)

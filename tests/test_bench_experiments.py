@@ -37,6 +37,16 @@ def test_every_experiment_config_composes(tmp_path):
         assert Path(cfg.out) == tmp_path
 
 
+def test_an_experiment_overrides_the_shared_settings_and_the_command_line_overrides_both(tmp_path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        fcfs = compose("bench", overrides=["experiment=fcfs_blocking"])
+        chunks = compose("bench", overrides=["experiment=chunk_equivalence", "peers=[hf]"])
+    assert fcfs.engine.max_num_seqs == 32 and fcfs.workload.spread == 0.0  # the experiment's, not bench.yaml's
+    assert fcfs.engine.max_num_batched_tokens == 256  # what it does not set stays shared
+    assert list(chunks.systems) == []  # the experiment's
+    assert list(chunks.peers) == ["hf"]  # the command line's
+
+
 def test_ratio_sweep_with_a_peer(benchmark, tmp_path):
     cfg = compose_bench("ratio_sweep", tmp_path, "systems=[orthrus,hetero-fcfs]", "peers=[hf]",
                         'experiment.ratios=["9:1","1:9"]', "experiment.clients=4", "experiment.duration_s=3", "experiment.warmup_s=0",

@@ -30,17 +30,24 @@ def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
 
 
 def phase_stats(run: dict, budget: int) -> list[dict]:
-    """Per phase: its requests' span (first start to last finish), requests/s, latency per kind, mean CPU % and
-    (one engine) tokens per step as a share of the budget, over that span."""
+    """Per phase, over disjoint time windows (phase k: from its first submission to the next phase's first; the
+    last phase until everything finished, so it includes the drain): completions per second (any phase's),
+    latency per kind of the phase's own requests, mean CPU % and (one engine) the share of the step budget
+    filled and the share of time spent in steps."""
+    recs = run["records"]
+    phases = sorted({r["tags"]["phase"] for r in recs})
+    firsts = [min(r["start_s"] for r in recs if r["tags"]["phase"] == k) for k in phases]
+    end = max((r["finish_s"] for r in recs if r["finish_s"] is not None), default=float("nan"))
     out = []
-    for k in sorted({r["tags"]["phase"] for r in run["records"]}):
-        recs = [r for r in run["records"] if r["tags"]["phase"] == k]
-        done = [r for r in recs if r["finish_s"] is not None and r["error"] is None]
-        t0, t1 = min(r["start_s"] for r in recs), max((r["finish_s"] for r in done), default=float("nan"))
+    for i, k in enumerate(phases):
+        t0, t1 = firsts[i], firsts[i + 1] if i + 1 < len(phases) else end
         span = t1 - t0
-        row = {"phase": k, "embed_frac": sum(r["kind"] == "embed" for r in recs) / len(recs),
-               "completed": len(done), "unfinished": len(recs) - len(done), "span_s": span,
-               "throughput_rps": len(done) / span if span > 0 else float("nan")}
+        own = [r for r in recs if r["tags"]["phase"] == k]
+        done = [r for r in own if r["finish_s"] is not None and r["error"] is None]
+        finished = sum(r["finish_s"] is not None and r["error"] is None and t0 < r["finish_s"] <= t1 for r in recs)
+        row = {"phase": k, "embed_frac": sum(r["kind"] == "embed" for r in own) / len(own),
+               "completed": len(done), "unfinished": len(own) - len(done), "window_s": [t0, t1], "span_s": span,
+               "throughput_rps": finished / span if span > 0 else float("nan")}
         for kind in ("embed", "generate"):
             lat = [r["finish_s"] - r["start_s"] for r in done if r["kind"] == kind]
             row[f"{kind}_p50_s"], row[f"{kind}_p99_s"] = (np.percentile(lat, [50, 99]).tolist() if lat
@@ -65,7 +72,7 @@ def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> N
     stats = {system: phase_stats(runs[GROUP], budget) for system, runs in results.items()}
     write_json(out / "results.json", {"phases": stats, "runs": results})
     refs = [r for r in (cfg.baseline, first_peer(cfg, results)) if r and r in stats]
-    head = ["phase (embed %)", "system", "req/s", *[f"× {r}" for r in refs], "emb p50/p99 s", "gen p50/p99 s",
+    head = ["phase (embed %)", "system", "window s", "req/s", *[f"× {r}" for r in refs], "emb p50/p99 s", "gen p50/p99 s",
             "CPU %", "budget filled", "engine busy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     phases = max((len(s) for s in stats.values()), default=0)
@@ -74,7 +81,8 @@ def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> N
             if k >= len(rows):
                 continue
             r = rows[k]
-            cells = [f"{k + 1} ({100 * r['embed_frac']:.0f}%)", system, _fmt(r["throughput_rps"])]
+            cells = [f"{k + 1} ({100 * r['embed_frac']:.0f}%)", system,
+                     f"{r['window_s'][0]:.0f}-{r['window_s'][1]:.0f}", _fmt(r["throughput_rps"])]
             cells += [_fmt(r["throughput_rps"] / stats[ref][k]["throughput_rps"]) + "×" for ref in refs]
             cells += [f"{_fmt(r['embed_p50_s'])}/{_fmt(r['embed_p99_s'])}",
                       f"{_fmt(r['generate_p50_s'])}/{_fmt(r['generate_p99_s'])}", _fmt(r["cpu_mean_pct"], 0),
