@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `bench` is scripts/bench/
 
 import hydra  # noqa: E402
+from bench.harness import run_experiment  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 logger = logging.getLogger("benchmark")
@@ -43,7 +44,10 @@ def run(cfg: DictConfig) -> Path:
         exp.report(cfg, json.loads((out / "results.json").read_text())["runs"], out)
         return out
     logger.info("experiment %s -> %s\n%s", name, out, OmegaConf.to_yaml(cfg))
-    exp.main(cfg, out)
+    if hasattr(exp, "run_system"):  # a load experiment: every system and peer through the same driver
+        exp.report(cfg, run_experiment(cfg, exp, name), out)
+    else:  # one that drives its own runs (iter_retgen, chunk_equivalence)
+        exp.main(cfg, out)
     logger.info("experiment %s done in %.0f s; report in %s", name, time.monotonic() - t0, out)
     return out
 

@@ -1,10 +1,12 @@
 """Runs one experiment over every configured system, side by side, and the peers in their own interpreter.
 
-An experiment module (scripts/bench/experiments/) provides
+A load experiment module (scripts/bench/experiments/) provides
 
 - `run_system(session, cfg) -> {group: RunResult}`: its workload against one system (a group is e.g. a mix or
   an arrival rate; `session.reset()` gives a fresh system when leftovers would spoil the next group), and
-- `report(cfg, results, out)`: JSON, markdown and PNGs from `{system: {group: RunResult dict}}`.
+- `report(cfg, results, out)`: JSON, markdown and PNGs from `{system: {group: RunResult dict}}`;
+`scripts/benchmark.py` calls `run_experiment` and then `report`. Experiments that drive their own runs
+(iter_retgen, chunk_equivalence) provide `main(cfg, out)` instead.
 
 Systems of this project are built here (`make_client`); a peer (`vllm`, `hf`) runs the same `run_system` in a
 subprocess (`peer_main.py`) under `peers_python` (vLLM lives in its own venv, `make peers`) and hands back its

@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ..driver import RunResult, open_loop
-from ..harness import Session, run_experiment, workload
+from ..harness import Session, workload
 from ..report import markdown_table, plot_latency_cdf, plot_step_mix, write_json
 from ..workloads import fcfs_blocking
 from .common import by_group, first_peer, rows
@@ -23,11 +23,6 @@ def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
     burst = fcfs_blocking(x.num_generate, x.num_embed, workload(cfg), x.long_max_tokens)
     res = open_loop(session.client, burst, None, drain_timeout_s=x.drain_timeout_s, label=f"{session.name} burst")
     return {GROUP: res}
-
-
-def main(cfg: DictConfig, out: Path) -> None:
-    results = run_experiment(cfg, __import__(__name__, fromlist=["run_system"]), "fcfs_blocking")
-    report(cfg, results, out)
 
 
 def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> None:

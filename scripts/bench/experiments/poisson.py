@@ -10,7 +10,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from ..driver import RunResult, open_loop
-from ..harness import Session, run_experiment, workload
+from ..harness import Session, workload
 from ..report import _fmt, _plt, _save, plot_latency_cdf, write_json
 from ..workloads import poisson
 from .common import by_group, first_peer
@@ -47,11 +47,6 @@ def curve_point(run: dict, offered: float) -> dict:
         p = np.percentile(lat, [50, 95, 99]).tolist() if lat else [float("nan")] * 3
         point.update({f"{kind}_p50_s": p[0], f"{kind}_p95_s": p[1], f"{kind}_p99_s": p[2]})
     return point
-
-
-def main(cfg: DictConfig, out: Path) -> None:
-    results = run_experiment(cfg, __import__(__name__, fromlist=["run_system"]), "poisson")
-    report(cfg, results, out)
 
 
 def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ..driver import RunResult, closed_loop, summarize
-from ..harness import Session, run_experiment, workload
+from ..harness import Session, workload
 from ..report import markdown_table, plot_latency_cdf, plot_step_mix, plot_throughput, write_json
 from ..workloads import mixed_stream
 from .common import by_group, first_peer, rows
@@ -35,11 +35,6 @@ def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
         if any(r.finish_s is None for r in res.records) and i + 1 < len(x.ratios):
             session.reset()  # NOTE: leftovers would load the next mix; start clean
     return out
-
-
-def main(cfg: DictConfig, out: Path) -> None:
-    results = run_experiment(cfg, __import__(__name__, fromlist=["run_system"]), "ratio_sweep")
-    report(cfg, results, out)
 
 
 def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> None:

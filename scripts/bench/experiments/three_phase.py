@@ -11,7 +11,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from ..driver import RunResult, closed_loop
-from ..harness import Session, run_experiment, workload
+from ..harness import Session, workload
 from ..report import _fmt, _plt, _save, plot_latency_cdf, plot_step_mix, write_json
 from ..workloads import three_phase
 from .common import first_peer
@@ -60,11 +60,6 @@ def phase_stats(run: dict, budget: int) -> list[dict]:
         row["busy_frac"] = (sum(s["step_time"] for s in steps) / span) if steps and span > 0 else float("nan")
         out.append(row)
     return out
-
-
-def main(cfg: DictConfig, out: Path) -> None:
-    results = run_experiment(cfg, __import__(__name__, fromlist=["run_system"]), "three_phase")
-    report(cfg, results, out)
 
 
 def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> None:
