@@ -37,12 +37,35 @@ def build_engine(cfg: Any):  # -> Engine
         kv_cache_gib=e.kv_cache_gib)
 
 
-def _pooling(cfg: Any, engine: Any) -> tuple[Any, Any]:
+def engine_spec(cfg: Any):  # -> EngineSpec: the engine of each worker of a deployment
+    from orthrus_rag.engine.deploy import EngineSpec
+
+    m, e = cfg.model, cfg.engine
+    adapters = (m.embedding_adapter,) if m.embedding_adapter else ()
+    return EngineSpec(m.name, adapters, m.embedding_model, {
+        "dtype": m.dtype, "device": m.device, "seed": cfg.seed, "policy": e.policy,
+        "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
+        "max_chunk_tokens": e.max_chunk_tokens, "min_share": e.min_share, "block_size": e.block_size,
+        "kv_cache_gib": e.kv_cache_gib})
+
+
+def build_backend(cfg: Any):  # -> Backend
+    """`engine.serving`: `engine` (one co-scheduled engine) or a two-process deployment of it."""
+    from orthrus_rag.backends import EngineBackend, deployment_backend
+
+    if cfg.engine.serving == "engine":
+        return EngineBackend(build_engine(cfg), max_pending=cfg.engine.max_pending)
+    threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
+    logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
+    return deployment_backend(cfg.engine.serving, engine_spec(cfg), threads)
+
+
+def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:
     """Document and query pooling: the encoder's own pooling, or the configured one on the backbone."""
     from orthrus_rag.params import PoolingParams
 
     if cfg.model.embedding_model is not None:
-        base = dict(engine.encoder_pooling)
+        base = dict(backend.encoder_pooling)
     else:
         base = {"pooling": cfg.retriever.pooling, "normalize": True}
     # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does
@@ -50,11 +73,11 @@ def _pooling(cfg: Any, engine: Any) -> tuple[Any, Any]:
             PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True))
 
 
-def build_retriever(cfg: Any, engine: Any, corpus: list, index_dir: Path | None):  # -> DenseRetriever
-    from orthrus_rag.retrievers import DenseRetriever, EngineEmbedder
+def build_retriever(cfg: Any, backend: Any, corpus: list, index_dir: Path | None):  # -> DenseRetriever
+    from orthrus_rag.retrievers import DenseRetriever
 
-    doc, query = _pooling(cfg, getattr(engine, "engine", engine))
-    embedder = EngineEmbedder(engine, document_params=doc, query_params=query)
+    doc, query = _pooling(cfg, backend)
+    embedder = backend.embedder(doc, query)
     r = cfg.retriever
     if r.index_dir is not None:
         logger.info("loading index from %s", r.index_dir)
@@ -74,51 +97,61 @@ def index(cfg: Any) -> Path:
     validate(cfg)
     corpus = build_corpus(load_examples(cfg))
     out = Path(cfg.run_dir) / "index"
-    build_retriever(cfg, build_engine(cfg), corpus, out)
+    backend = build_backend(cfg)
+    try:
+        build_retriever(cfg, backend, corpus, out)
+    finally:
+        asyncio.run(backend.aclose())
     logger.info("index of %d passages saved to %s", len(corpus), out)
     return out
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """Answer a dataset's questions with the configured pipeline; write records and a summary to run_dir."""
+def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
+    """Answer a dataset's questions with the configured pipeline; write records and a summary to run_dir.
+
+    `backend`: what serves the run (default: built from `cfg.engine`); it is closed at the end either way."""
     from orthrus_rag.data import build_corpus
-    from orthrus_rag.engine.async_engine import AsyncEngine
-    from orthrus_rag.engine.stats import summarize_steps
     from orthrus_rag.params import SamplingParams
     from orthrus_rag.pipelines import IterRetGen, summarize, write_run
 
     validate(cfg)  # before any model loads
     examples = load_examples(cfg)
     run_dir = Path(cfg.run_dir)
-    engine = build_engine(cfg)
-    aengine = AsyncEngine(engine, max_pending=cfg.engine.max_pending)
-    retriever = None
-    if cfg.pipeline.name != "no_retrieval":
-        # NOTE: built before the async loop starts, so the corpus embeds on the engine directly
-        retriever = build_retriever(cfg, aengine, build_corpus(examples), run_dir / "index")
+    backend = backend if backend is not None else build_backend(cfg)
+    try:
+        retriever = None
+        if cfg.pipeline.name != "no_retrieval":
+            # NOTE: built before the async loop starts, so the corpus embeds with blocking calls
+            retriever = build_retriever(cfg, backend, build_corpus(examples), run_dir / "index")
+    except BaseException:
+        asyncio.run(backend.aclose())
+        raise
     p = cfg.pipeline
     iterations = 1 if p.name == "standard_rag" else p.iterations
-    pipeline = IterRetGen(aengine, retriever, iterations=iterations, k=cfg.retriever.k,
+    pipeline = IterRetGen(backend.generator, retriever, iterations=iterations, k=cfg.retriever.k,
                           sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
-                          chat_template=engine.tokenizer if p.chat_template else None,
+                          chat_template=backend.tokenizer if p.chat_template else None,
                           max_concurrency=p.max_concurrency)
-    first_step = engine.num_steps
+    backend.start()
 
     async def _main() -> list:
         try:
             return await pipeline.run(examples, progress=cfg.progress)
         finally:
-            await aengine.shutdown()
+            await backend.aclose()
 
     start = time.perf_counter()
     records = asyncio.run(_main())
     wall = time.perf_counter() - start
     summary = summarize(records, wall)
-    steps = [s for s in engine.step_stats if s.step >= first_step]
-    summary["engine"] = summarize_steps(steps)
+    stats = backend.stats()
+    if stats is not None:
+        summary["engine"] = stats
     summary["config"] = {"dataset": cfg.dataset.name, "model": cfg.model.name,
                          "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy,
-                         "pipeline": p.name, "iterations": iterations, "k": cfg.retriever.k}
+                         "serving": backend.name, "pipeline": p.name, "iterations": iterations,
+                         "k": cfg.retriever.k}
     write_run(run_dir, records, summary)
-    (run_dir / "steps.jsonl").write_text("".join(json.dumps(vars(s)) + "\n" for s in steps))
+    if hasattr(backend, "steps"):
+        (run_dir / "steps.jsonl").write_text("".join(json.dumps(vars(s)) + "\n" for s in backend.steps()))
     return summary

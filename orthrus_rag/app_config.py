@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orthrus_rag.backends import SERVINGS
 from orthrus_rag.data.loaders import DATASETS as _DATASET_SPECS
 from orthrus_rag.engine.policies import POLICIES
 from orthrus_rag.pipelines.iter_retgen import PIPELINES
@@ -39,6 +40,8 @@ class ModelConf:
 
 @dataclass
 class EngineConf:
+    serving: str = "engine"  # engine: one co-scheduled engine; dedicated / disagg-pd: two worker processes
+    threads: list[int] | None = None  # torch threads per worker of a deployment (default 1 each)
     policy: str = "orthrus"
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
@@ -104,6 +107,10 @@ def validate(cfg: Any) -> None:
     if cfg.dataset.num_questions < 1:
         raise ValueError(f"dataset.num_questions must be at least 1, got {cfg.dataset.num_questions}")
     _choice(cfg.engine.policy, POLICIES, "engine.policy")
+    _choice(cfg.engine.serving, SERVINGS, "engine.serving")
+    threads = cfg.engine.threads
+    if threads is not None and (len(threads) != 2 or any(t < 1 for t in threads)):
+        raise ValueError(f"engine.threads must be two positive thread counts (one per worker), got {list(threads)}")
     _choice(cfg.retriever.index_type, INDEX_TYPES, "retriever.index_type")
     if cfg.retriever.k < 1:
         raise ValueError(f"retriever.k must be at least 1, got {cfg.retriever.k}")

@@ -86,7 +86,10 @@ def _task(command: str, cfg) -> None:  # noqa: ANN001 (a DictConfig)
     from orthrus_rag.pipelines import format_table
 
     print(format_table(summary))
-    eng = summary["engine"]
+    eng = summary.get("engine")
+    if eng is None:  # a deployment: its workers' steps are not seen here
+        print(f"served by {summary['config']['serving']}; records in {cfg.run_dir}")
+        return
     print(f"engine: {eng['num_steps']} steps, {eng['num_mixed_steps']} carried embedding and generation tokens "
           f"together; records in {cfg.run_dir}")
 

@@ -105,22 +105,9 @@ class EngineEmbedder:
                 dimension = int(self.engine.runner.encoder.hidden_size)
             else:
                 dimension = int(self.engine.runner.model.config.hidden_size)
-        return {
-            "kind": "engine",
-            "model": mc.model,
-            "embedding_model": mc.embedding_model if route == "encoder" else None,
-            "adapters": list(mc.embedding_adapters),
-            "adapter": route.partition("+")[2] or None,
-            "pooling": doc.pooling,
-            "normalize": doc.normalize,
-            "document_instruction": doc.instruction,
-            "query_pooling": query.pooling,
-            "query_normalize": query.normalize,
-            "query_instruction": query.instruction,
-            "append_eos": doc.wants_eos,
-            "head": _name(doc.head),
-            "dimension": dimension,
-        }
+        return pooling_identity("engine", mc.model, mc.embedding_model if route == "encoder" else None,
+                                list(mc.embedding_adapters), route.partition("+")[2] or None, doc, query,
+                                dimension)
 
     # ---- sync -------------------------------------------------------------------------------------------
     def embed_documents(self, texts: list[str]) -> np.ndarray:
@@ -175,6 +162,28 @@ class EngineEmbedder:
         parts = [_stack(await self.aengine.embed_many(list(c), params))
                  for c in batches(texts, self.batch_size, "embedding")]
         return _concat(parts)
+
+
+def pooling_identity(kind: str, model: str, embedding_model: str | None, adapters: list[str], adapter: str | None,
+                     doc: PoolingParams, query: PoolingParams, dimension: int | None) -> dict[str, Any]:
+    """What made an index's vectors: `kind` is who served them ("engine" for this project's engine in any
+    deployment, or a peer's name), then the models and pooling of documents and queries."""
+    return {
+        "kind": kind,
+        "model": model,
+        "embedding_model": embedding_model,
+        "adapters": list(adapters),
+        "adapter": adapter,
+        "pooling": doc.pooling,
+        "normalize": doc.normalize,
+        "document_instruction": doc.instruction,
+        "query_pooling": query.pooling,
+        "query_normalize": query.normalize,
+        "query_instruction": query.instruction,
+        "append_eos": doc.wants_eos,
+        "head": _name(doc.head),
+        "dimension": dimension,
+    }
 
 
 def _stack(outputs: Sequence[Any]) -> np.ndarray:

@@ -47,6 +47,9 @@ def test_typo_fails_at_compose_time():
     (["retriever.k=-2"], "retriever.k must be at least 1"),
     (["pipeline.iterations=0"], "pipeline.iterations must be at least 1"),
     (["engine.policy=fifo"], "unknown engine.policy 'fifo'"),
+    (["engine.serving=ray"], "unknown engine.serving 'ray'"),
+    (["engine=dedicated", "engine.threads=[1]"], "engine.threads must be two positive"),
+    (["engine=disagg_pd", "engine.threads=[0,1]"], "engine.threads must be two positive"),
 ])
 def test_bad_config_fails_before_any_model_loads(overrides, message, monkeypatch, tmp_path):
     def no_model(*args, **kwargs):

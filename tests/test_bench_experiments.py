@@ -105,18 +105,31 @@ def test_poisson_submits_on_schedule_per_rate(benchmark, tmp_path):
     assert (tmp_path / "latency_throughput.png").stat().st_size > 0
 
 
-def test_iter_retgen_runs_the_cli_per_policy(benchmark, tmp_path):
+def test_iter_retgen_runs_every_system_through_the_same_app(benchmark, tmp_path):
     cfg = compose_bench("iter_retgen", tmp_path, "experiment.dataset_path=null", "experiment.app_experiment=smoke",
-                        "experiment.limit=2", "experiment.policies=[orthrus,unified-homo]",
+                        "experiment.limit=2", "experiment.policies=[orthrus,dedicated]", "experiment.peers=[hf]",
                         'experiment.overrides=["pipeline.max_tokens=8","pipeline.iterations=1"]')
     benchmark.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
-    assert set(res["policies"]) == {"orthrus", "unified-homo"}
-    for policy, s in res["policies"].items():
+    assert set(res["policies"]) == {"orthrus", "dedicated", "hf"}
+    for s in res["policies"].values():
         assert s["num_questions"] == 2 and s["num_failed"] == 0
-        assert s["config"]["policy"] == policy
-    assert (tmp_path / "orthrus" / "records.jsonl").exists()
-    assert "unified-homo" in (tmp_path / "table.md").read_text()
+    servings = {name: s["config"]["serving"] for name, s in res["policies"].items()}
+    assert servings == {"orthrus": "engine (orthrus)", "dedicated": "dedicated (1, 1)", "hf": "hf"}
+    assert "engine" in res["policies"]["orthrus"] and "engine" not in res["policies"]["dedicated"]
+
+    def records(system):
+        return [json.loads(line) for line in (tmp_path / system / "records.jsonl").read_text().splitlines()]
+
+    # greedy, the same engine: the deployment answers and retrieves exactly as the one engine does
+    for a, b in zip(records("orthrus"), records("dedicated")):
+        assert a["prediction"] == b["prediction"]
+        assert [r["id"] for r in a["iterations"][0]["retrieved"]] == [r["id"] for r in b["iterations"][0]["retrieved"]]
+    # the peer built its own index (sentence-transformers MiniLM): it finds passages too
+    assert all(r["iterations"][0]["retrieved"] for r in records("hf"))
+    table = (tmp_path / "table.md").read_text()
+    assert "q/s × dedicated" in table and "q/s × hf" in table
+    assert "| dedicated | " in table and "1.00×" in table
 
 
 def test_chunk_equivalence_matches_whole_sequence_pooling(benchmark, tmp_path):

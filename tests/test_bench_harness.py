@@ -132,3 +132,38 @@ def test_in_process_client_serves_both_kinds(engine, one_thread):
     assert client.step_log and client.poll(0.0) == []  # idle: nothing to step
     res = closed_loop(client, mixed_stream(0.5, Workload(words=4, max_tokens=2)), concurrency=2, max_requests=4)
     assert summarize(res)["unfinished"] == 0 and len(res.steps) > 0
+
+
+def test_peer_requests_carry_instruction_truncation_and_vectors_back():
+    from scripts.bench.peer_client import PeerClient
+
+    class FakePeer:
+        def __init__(self) -> None:
+            self.sent: list[tuple] = []
+
+        def submit(self, kind, rid, text, fields):  # noqa: ANN001
+            self.sent.append((kind, rid, text, fields))
+
+        def poll(self, timeout_s):  # noqa: ANN001
+            return [{"request_id": "e0", "kind": "embed", "n_tokens": 3, "embedding": [0.6, 0.8]},
+                    {"request_id": "g0", "kind": "generate", "n_tokens": 2, "text": "Paris"},
+                    {"request_id": "g1", "kind": "generate", "n_tokens": 0, "error": "ValueError: too long"}]
+
+        def shutdown(self) -> None:
+            pass
+
+    peer = FakePeer()
+    client = PeerClient(peer, return_embeddings=True)
+    client.submit("embed", "e0", "capital of France", PoolingParams(instruction="query: ", truncate=True))
+    client.submit("generate", "g0", "Q:", SamplingParams(max_tokens=4, temperature=0.0))
+    assert peer.sent[0] == ("embed", "e0", "query: capital of France", {"truncate": True, "return_embedding": True})
+    assert peer.sent[1][3] == {"max_tokens": 4, "temperature": 0.0, "ignore_eos": False}
+    emb, gen, bad = client.poll(0.0)
+    assert torch.equal(emb.embedding, torch.tensor([0.6, 0.8])) and emb.error is None
+    assert (gen.text, len(gen.token_ids), gen.finish_reason) == ("Paris", 2, "length")
+    assert bad.finish_reason == "error" and "too long" in bad.text
+    with pytest.raises(TypeError, match="text inputs only"):
+        client.submit("embed", "e1", [1, 2, 3], None)
+    # the load drivers only count requests: no vectors are asked for
+    PeerClient(peer).submit("embed", "e2", "text", None)
+    assert peer.sent[-1][3] == {}

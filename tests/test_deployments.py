@@ -4,6 +4,7 @@ recompute, surface worker failures as errors and leave no process behind."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from dataclasses import replace
 
 import pytest
@@ -146,6 +147,20 @@ def test_bad_input_is_rejected_and_the_deployment_keeps_serving(engine, dedicate
             dep.run(PROMPTS[:2], GREEDY, ["ok", " "])
         gen, emb = dep.run(["Hi"], GREEDY, ["still serving"])
         assert gen[0].token_ids == want and emb[0].embedding.shape == (576,)
+
+
+def test_a_rejected_submit_names_its_request_and_the_others_finish(dedicated):
+    dedicated.submit("generate", "bad", "", GREEDY)
+    dedicated.submit("embed", "good", "fine", None)
+    finished, rejected = [], []
+    deadline = time.monotonic() + 120
+    while not (finished and rejected) and time.monotonic() < deadline:
+        try:
+            finished += [o.request_id for o in dedicated.poll(0.5)]
+        except WorkerError as exc:
+            rejected.append(exc)
+    assert finished == ["good"]
+    assert [e.request_ids for e in rejected] == [("bad",)] and "prompt is empty" in str(rejected[0])
 
 
 def test_dead_worker_surfaces_and_shutdown_leaves_no_process(dedicated, disagg):

@@ -30,38 +30,59 @@ def sampling_dict(params: SamplingParams | PoolingParams | None) -> dict[str, An
     return out
 
 
-class PeerClient:
-    """Wraps a `VllmDedicatedPeer` or `HfPeer` (anything with submit(kind, id, text, dict) / poll / shutdown)."""
+def peer_request(kind: str, text: str, params: SamplingParams | PoolingParams | None,
+                 return_embeddings: bool) -> tuple[str, dict[str, Any]]:
+    """What a peer is sent for one request. An embedding's instruction is put before its text here (the peers
+    take plain text); its pooling is the peer's own (mean + L2 for SmolLM2, the model's for MiniLM)."""
+    fields = sampling_dict(params)
+    if kind == "embed":
+        if isinstance(params, PoolingParams):
+            text = (params.instruction or "") + text
+            if params.truncate:
+                fields["truncate"] = True
+        if return_embeddings:
+            fields["return_embedding"] = True
+    return text, fields
 
-    def __init__(self, peer: Any) -> None:
+
+def to_output(d: dict[str, Any]) -> GenerationOutput | EmbeddingOutput:
+    """A peer's completion dict as this project's output (what the drivers and the bridge read)."""
+    rid, err = d["request_id"], d.get("error")
+    if d["kind"] == "generate":
+        # NOTE: the drivers count generated tokens; the ids themselves stay in the peer
+        return GenerationOutput(rid, [], [0] * int(d.get("n_tokens", 0)), err or d.get("text", ""),
+                                "error" if err else "length")
+    import torch
+
+    vector = torch.tensor(d["embedding"], dtype=torch.float32) if "embedding" in d else torch.empty(0)
+    return EmbeddingOutput(rid, [], vector, "error" if err else "stop", error=err)
+
+
+class PeerClient:
+    """Wraps a `VllmDedicatedPeer` or `HfPeer` (anything with submit(kind, id, text, dict) / poll / shutdown).
+
+    `return_embeddings`: bring the vectors back (retrieval needs them; the load drivers only count requests)."""
+
+    def __init__(self, peer: Any, return_embeddings: bool = False) -> None:
         self.peer = peer
+        self.return_embeddings = return_embeddings
 
     def submit(self, kind: str, request_id: str, input: str | Sequence[int],
                params: SamplingParams | PoolingParams | None) -> None:
         if not isinstance(input, str):
             raise TypeError("peers take text inputs only")
-        self.peer.submit(kind, request_id, input, sampling_dict(params))
+        text, fields = peer_request(kind, input, params, self.return_embeddings)
+        self.peer.submit(kind, request_id, text, fields)
 
     def poll(self, timeout_s: float) -> list[GenerationOutput | EmbeddingOutput]:
-        outs: list[GenerationOutput | EmbeddingOutput] = []
-        for d in self.peer.poll(timeout_s):
-            rid, err = d["request_id"], d.get("error")
-            if d["kind"] == "generate":
-                # NOTE: the drivers count generated tokens; the ids themselves stay in the peer
-                outs.append(GenerationOutput(rid, [], [0] * int(d.get("n_tokens", 0)), d.get("text", ""),
-                                             "error" if err else "length"))
-            else:
-                import torch
-
-                outs.append(EmbeddingOutput(rid, [], torch.empty(0), "error" if err else "stop", error=err))
-        return outs
+        return [to_output(d) for d in self.peer.poll(timeout_s)]
 
     def shutdown(self) -> None:
         self.peer.shutdown()
 
 
 def make_peer(name: str, embed_model: str = "smollm2-135m-instruct", temperature: float = 0.7,
-              **kwargs: Any) -> PeerClient:
+              return_embeddings: bool = False, **kwargs: Any) -> PeerClient:
     """`vllm`: two vLLM engines, one core each (needs the peers venv); `hf`: transformers continuous batching +
     a padded-batch embedder, one thread each."""
     if str(PEERS_DIR) not in sys.path:
@@ -69,9 +90,9 @@ def make_peer(name: str, embed_model: str = "smollm2-135m-instruct", temperature
     if name == "vllm":
         from vllm_peer import VllmDedicatedPeer
 
-        return PeerClient(VllmDedicatedPeer(embed_model=embed_model, **kwargs))
+        return PeerClient(VllmDedicatedPeer(embed_model=embed_model, **kwargs), return_embeddings)
     if name == "hf":
         from hf_peer import HfPeer
 
-        return PeerClient(HfPeer(embed_model=embed_model, temperature=temperature, **kwargs))
+        return PeerClient(HfPeer(embed_model=embed_model, temperature=temperature, **kwargs), return_embeddings)
     raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")

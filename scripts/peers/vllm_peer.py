@@ -24,7 +24,7 @@ Needs the peers venv (`make peers`): run the driver with `.venv-peers/bin/python
 `if __name__ == "__main__":` (spawn re-imports the main module).
 
     peer = VllmDedicatedPeer()
-    peer.submit("embed", "e0", "some text", {})
+    peer.submit("embed", "e0", "some text", {"return_embedding": True, "truncate": True})
     peer.submit("generate", "g0", "a prompt", {"max_tokens": 8, "temperature": 0.0})
     peer.poll(timeout_s=5.0)   # -> [{"request_id", "kind", "finished_at", "n_tokens", ...}]
     peer.shutdown()
@@ -120,14 +120,18 @@ def _engine_main(role: str, model: str, llm_kwargs: dict, env: dict, pin_cpus: l
                     continue
                 _, kind, rid, text, params = msg
                 params = dict(params or {})
-                want = {k: params.pop(k) for k in ("return_text", "return_embedding") if k in params}
+                want = {k: params.pop(k) for k in ("return_text", "return_embedding", "truncate") if k in params}
                 try:
+                    prompt: Any = text
                     if kind == GENERATE:
                         sp = SamplingParams(**params)
                         sp.output_kind = RequestOutputKind.FINAL_ONLY
                     else:
                         sp = PoolingParams(task="embed", **params)
-                    engine.add_request(rid, text, sp)
+                        if want.get("truncate"):  # cut at the model's window as sentence-transformers does
+                            prompt = {"prompt_token_ids": llm.get_tokenizer()(
+                                text, truncation=True, max_length=engine.model_config.max_model_len)["input_ids"]}
+                    engine.add_request(rid, prompt, sp)
                     kinds[rid] = kind
                     extras[rid] = want
                 except Exception as exc:  # a bad request must not kill the engine

@@ -49,6 +49,8 @@ class _ProcessDeployment:
         self._closed = False
         self._batch_ids = itertools.count()
         self._request_ids = itertools.count()
+        self._unconfirmed: dict[int, str] = {}  # batch -> request id of a `submit` not yet accepted or rejected
+        self._rejections: list[WorkerError] = []
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._inboxes = {role: ctx.Queue() for role in self.ROLES}
@@ -105,14 +107,19 @@ class _ProcessDeployment:
             raise RuntimeError(f"{type(self).__name__} is shut down")
         if kind not in self.ROUTE:
             raise ValueError(f"unknown request kind {kind!r}; expected one of {', '.join(self.ROUTE)}")
-        raw = dumps(("submit", next(self._batch_ids), [WorkItem(0, request_id, kind, input, params)]))
+        batch = next(self._batch_ids)
+        raw = dumps(("submit", batch, [WorkItem(0, request_id, kind, input, params)]))
+        self._unconfirmed[batch] = request_id
         self._inboxes[self.ROUTE[kind]].put(raw)
 
     def poll(self, timeout_s: float) -> list[GenerationOutput | EmbeddingOutput]:
         """Finished outputs of submitted requests: waits up to `timeout_s` for the first, then takes what else is
-        queued. A rejected request raises `WorkerError`; a failed or dead worker too (after shutting down)."""
+        queued. A rejected request raises `WorkerError` naming it in `request_ids` (the deployment stays up); a
+        failed or dead worker raises one with no ids, after shutting down."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is shut down")
+        if self._rejections:
+            raise self._rejections.pop(0)
         deadline = time.monotonic() + timeout_s
         outputs: list[GenerationOutput | EmbeddingOutput] = []
         while True:
@@ -121,10 +128,17 @@ class _ProcessDeployment:
                 if outputs or time.monotonic() >= deadline:
                     return outputs
                 continue
-            tag, role, _, payload = msg
-            if tag == "rejected":
-                raise WorkerError(f"the {role} worker rejected a request: {payload}")
-            if tag == "outputs":
+            tag, role, batch, payload = msg
+            if tag in ("accepted", "rejected"):
+                rid = self._unconfirmed.pop(batch, None)
+                if tag == "rejected":
+                    error = WorkerError(f"the {role} worker rejected request {rid}: {payload}",
+                                        request_ids=(rid,) if rid is not None else ())
+                    if not outputs:
+                        raise error
+                    self._rejections.append(error)  # NOTE: hand over the outputs first; the next poll raises
+                    return outputs
+            elif tag == "outputs":
                 outputs.extend(out for _, out in payload)
 
     def _try_receive(self, timeout_s: float) -> tuple | None:

@@ -72,12 +72,16 @@ class WorkItem:
 
 
 class WorkerError(RuntimeError):
-    """A deployment's worker rejected a request, failed or disappeared; `remote_traceback` is its side."""
+    """A deployment's worker rejected a request, failed or disappeared; `remote_traceback` is its side.
 
-    def __init__(self, message: str, remote_traceback: str | None = None) -> None:
+    `request_ids`: the requests a rejection concerns (empty when the whole deployment failed)."""
+
+    def __init__(self, message: str, remote_traceback: str | None = None,
+                 request_ids: Sequence[str] = ()) -> None:
         super().__init__(message if remote_traceback is None else f"{message}\n--- worker traceback ---\n"
                          f"{remote_traceback.rstrip()}")
         self.remote_traceback = remote_traceback
+        self.request_ids = tuple(request_ids)
 
 
 def dumps(message: tuple) -> bytes:

@@ -1,8 +1,9 @@
-"""Iter-RetGen on 2WikiMultihopQA per scheduling policy: question throughput and p50/p95/p99 end-to-end
-latency, with answer quality alongside (it must not change with the policy beyond sampling noise).
+"""Iter-RetGen on 2WikiMultihopQA per system: question throughput and p50/p95/p99 end-to-end latency, with answer
+quality alongside (it must not change with the policy beyond sampling noise).
 
-Each policy is one `orthrus-rag run` (the command a user runs), in its own process, into `out/<policy>/`;
-the table is built from the runs' summary.json and records.jsonl."""
+Each policy or deployment is one `orthrus-rag run` (the command a user runs: `engine=orthrus`, ...,
+`engine=dedicated`), in its own process, into `out/<system>/`; a peer runs the same app through
+`peer_app.py` under its own interpreter. The table is built from the runs' summary.json and records.jsonl."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from ..harness import ROOT
+from orthrus_rag.engine.deploy import SYSTEMS
+
+from ..harness import ROOT, peer_python
+from ..peer_client import PEERS
 from ..report import _fmt, _plt, _save, write_json
 
 logger = logging.getLogger(__name__)
@@ -26,9 +30,9 @@ def cli() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "orthrus_rag.cli"]
 
 
-def run_policy(cfg: DictConfig, policy: str, out: Path) -> dict:
+def app_overrides(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """The `orthrus-rag run` overrides every system of the experiment shares."""
     x = cfg.experiment
-    run_dir = out / policy
     data: list[str] = []
     if x.dataset_path is not None:  # None: the app experiment's own dataset (e.g. the synthetic one)
         dataset = Path(x.dataset_path)
@@ -38,38 +42,78 @@ def run_policy(cfg: DictConfig, policy: str, out: Path) -> dict:
         data = [f"dataset.path={dataset}"]
     if x.limit is not None:
         data.append(f"dataset.limit={x.limit}")
-    cmd = [*cli(), "run", f"experiment={x.app_experiment}", *data, f"engine={policy.replace('-', '_')}", f"run_dir={run_dir}", "progress=false",
-           f"engine.max_num_batched_tokens={cfg.engine.max_num_batched_tokens}",
-           f"engine.max_chunk_tokens={cfg.engine.max_chunk_tokens}", f"engine.max_num_seqs={cfg.engine.max_num_seqs}",
-           f"engine.min_share={cfg.engine.min_share}", *x.overrides]
-    logger.info("%s: %s", policy, " ".join(cmd))
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=x.timeout_s)
+    return [f"experiment={x.app_experiment}", *data, f"run_dir={run_dir}", "progress=false",
+            f"engine.max_num_batched_tokens={cfg.engine.max_num_batched_tokens}",
+            f"engine.max_chunk_tokens={cfg.engine.max_chunk_tokens}", f"engine.max_num_seqs={cfg.engine.max_num_seqs}",
+            f"engine.min_share={cfg.engine.min_share}", *x.overrides]
+
+
+def system_command(cfg: DictConfig, system: str, run_dir: Path) -> list[str] | None:
+    """The command that runs Iter-RetGen on `system`: `orthrus-rag run engine=<policy or deployment>`, or
+    peer_app.py under the peer's interpreter (None when that is not installed)."""
+    shared = app_overrides(cfg, run_dir)
+    if system in PEERS:
+        python = peer_python(cfg, system)
+        if python is None:
+            return None
+        opts = cfg.peer_options.get(system)
+        options = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
+        return [python, str(Path(__file__).resolve().parents[1] / "peer_app.py"), "--peer", system,
+                "--options", json.dumps(options), "--", *shared]
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))}")
+    engine = [f"engine={system.replace('-', '_')}"]
+    if system in ("dedicated", "disagg-pd"):
+        engine.append(f"engine.threads=[{','.join(str(t) for t in cfg.threads.split)}]")
+    return [*cli(), "run", *shared, *engine]
+
+
+def run_one(cfg: DictConfig, system: str, out: Path) -> dict | None:
+    run_dir = out / system
+    cmd = system_command(cfg, system, run_dir)
+    if cmd is None:
+        logger.warning("%s skipped: %s not found (install it with `make peers`)", system, cfg.peers_python)
+        return None
+    logger.info("%s: %s", system, " ".join(cmd))
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=cfg.experiment.timeout_s)
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line]
     return {"summary": summary, "latencies": [r["latency_s"] for r in records if r.get("error") is None]}
 
 
 def main(cfg: DictConfig, out: Path) -> None:
-    results = {p: run_policy(cfg, p, out) for p in cfg.experiment.policies}
+    x = cfg.experiment
+    peers = cfg.peers if x.get("peers") is None else x.peers
+    results = {}
+    for system in [*x.policies, *peers]:
+        got = run_one(cfg, system, out)
+        if got is not None:
+            results[system] = got
     report(cfg, results, out)
 
 
 def report(cfg: DictConfig, results: dict[str, dict], out: Path) -> None:
     write_json(out / "results.json", {"policies": {p: r["summary"] for p, r in results.items()}})
-    head = ["policy", "q/s", "× orthrus", "latency p50/p95/p99 s", "retrieval p50/p95 s", "generation p50/p95 s",
-            "EM", "F1", "recall@5", "steps (mixed)"]
+    base, peer = cfg.baseline, next((p for p in cfg.peers if p in results), None)
+    refs = {name: results[name]["summary"] for name in (base, peer) if name in results}
+    ratio = lambda s, name, get: _fmt(get(s) / get(refs[name])) + "×" if name in refs else "–"  # noqa: E731
+    qps = lambda s: s["throughput_qps"]  # noqa: E731
+    p99 = lambda s: s["latency_s"]["p99"]  # noqa: E731
+    head = ["system", "q/s", f"q/s × {base}", f"q/s × {peer or 'peer'}", "latency p50/p95/p99 s",
+            f"p99 × {base}", f"p99 × {peer or 'peer'}", "retrieval p50/p95 s", "generation p50/p95 s", "EM", "F1",
+            "recall@5", "steps (mixed)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ref = results.get("orthrus", {}).get("summary", {}).get("throughput_qps")
-    for policy, r in results.items():
+    for system, r in results.items():
         s = r["summary"]
         pct = lambda d: [d.get(k) for k in ("p50", "p95", "p99")]  # noqa: E731
         lat, ret, gen = pct(s["latency_s"]), pct(s["retrieve_s"]), pct(s["generate_s"])
-        eng = s.get("engine", {})
+        eng = s.get("engine")
+        steps = f"{eng.get('num_steps', 0):,} ({eng.get('num_mixed_steps', 0):,})" if eng else "–"
         lines.append("| " + " | ".join([
-            policy, _fmt(s["throughput_qps"], 3), _fmt(s["throughput_qps"] / ref) + "×" if ref else "–",
-            "/".join(_fmt(v, 1) for v in lat), "/".join(_fmt(v, 1) for v in ret[:2]),
+            system, _fmt(qps(s), 3), ratio(s, base, qps), ratio(s, peer, qps), "/".join(_fmt(v, 1) for v in lat),
+            ratio(s, base, p99), ratio(s, peer, p99), "/".join(_fmt(v, 1) for v in ret[:2]),
             "/".join(_fmt(v, 1) for v in gen[:2]), _fmt(s["em"], 3), _fmt(s["f1"], 3),
-            _fmt(s.get("recall@5"), 3), f"{eng.get('num_steps', 0):,} ({eng.get('num_mixed_steps', 0):,})"]) + " |")
+            _fmt(s.get("recall@5"), 3), steps]) + " |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     plt = _plt()

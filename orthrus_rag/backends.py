@@ -1,0 +1,146 @@
+"""What serves a pipeline run (`engine.serving`): the one co-scheduled engine, or a two-process deployment, or
+(in the benchmarks) a peer such as vLLM. A `Backend` hands the pipeline a generator, embedders and the tokenizer
+whose chat template renders prompts, so `app.run` is the same code for all of them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orthrus_rag.params import PoolingParams
+
+if TYPE_CHECKING:
+    from orthrus_rag.engine.deploy.bridge import ClientBridge
+
+logger = logging.getLogger(__name__)
+SERVINGS = ("engine", "dedicated", "disagg-pd")
+
+
+class Backend:
+    """The interface; see `EngineBackend` and `ClientBackend`."""
+
+    name: str
+    tokenizer: Any  # the generator's tokenizer (chat template)
+    encoder_pooling: dict  # the separate embedding model's own pooling; {} when embeddings come from the backbone
+
+    @property
+    def generator(self) -> Any:  # has `async generate(prompt, params)`
+        raise NotImplementedError
+
+    def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Mark where the measured run begins (for `stats`)."""
+
+    def stats(self) -> dict[str, Any] | None:
+        """Per-step statistics of the run since `start`, where the backend can see its steps."""
+        return None
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+
+class EngineBackend(Backend):
+    """One in-process `Engine` behind an `AsyncEngine`: embeddings and generations share its steps."""
+
+    def __init__(self, engine: Any, max_pending: int = 8192) -> None:
+        from orthrus_rag.engine.async_engine import AsyncEngine
+
+        self.name = f"engine ({engine.config.scheduler.policy})"
+        self.engine = engine
+        self.aengine = AsyncEngine(engine, max_pending=max_pending)
+        self.tokenizer = engine.tokenizer
+        self.encoder_pooling = dict(engine.encoder_pooling)
+        self._first_step = engine.num_steps
+
+    @property
+    def generator(self) -> Any:
+        return self.aengine
+
+    def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
+        from orthrus_rag.retrievers import EngineEmbedder
+
+        return EngineEmbedder(self.aengine, document_params=document_params, query_params=query_params)
+
+    def start(self) -> None:
+        self._first_step = self.engine.num_steps
+
+    def steps(self) -> list:
+        return [s for s in self.engine.step_stats if s.step >= self._first_step]
+
+    def stats(self) -> dict[str, Any] | None:
+        from orthrus_rag.engine.stats import summarize_steps
+
+        return summarize_steps(self.steps())
+
+    async def aclose(self) -> None:
+        await self.aengine.shutdown()
+
+
+class ClientBackend(Backend):
+    """A `ServingClient` (a deployment's workers, a peer) behind a `ClientBridge`.
+
+    `kind` names who computes the embeddings (part of an index's identity): "engine" when the workers run this
+    project's engine (so an index built in-process serves here too), else the peer's name."""
+
+    def __init__(self, name: str, bridge: "ClientBridge", tokenizer: Any, model: str,
+                 embedding_model: str | None = None, adapters: list[str] | None = None,
+                 encoder_pooling: dict | None = None, kind: str = "engine") -> None:
+        self.name, self.bridge, self.tokenizer = name, bridge, tokenizer
+        self.model, self.embedding_model, self.adapters, self.kind = model, embedding_model, adapters or [], kind
+        self.encoder_pooling = dict(encoder_pooling or {})
+
+    @property
+    def generator(self) -> Any:
+        return self.bridge
+
+    def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
+        from orthrus_rag.retrievers import ClientEmbedder
+
+        on_encoder = self.embedding_model is not None and document_params.adapter is None
+        # NOTE: as in the engine, the first adapter (named after its folder) is the default for backbone embeddings
+        default = Path(self.adapters[0]).name if self.adapters else None
+        adapter = None if on_encoder else (document_params.adapter or default)
+        return ClientEmbedder(self.bridge, self.model, self.embedding_model if on_encoder else None, kind=self.kind,
+                              adapters=self.adapters, adapter=adapter, document_params=document_params,
+                              query_params=query_params)
+
+    async def aclose(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.bridge.shutdown)  # joins threads and worker processes: off the loop
+
+
+def encoder_pooling_of(embedding_model: str | None) -> dict:
+    """The sentence-transformers pooling a separate embedding model ships with ({} for none)."""
+    if embedding_model is None:
+        return {}
+    from orthrus_rag.models.bert import read_sentence_transformers_pooling
+    from orthrus_rag.models.registry import resolve_model_path
+
+    return read_sentence_transformers_pooling(resolve_model_path(embedding_model))
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from orthrus_rag.models.registry import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(model)))
+
+
+def deployment_backend(serving: str, spec: Any, threads: tuple[int, ...]) -> ClientBackend:
+    """`dedicated` or `disagg-pd` workers built from an `EngineSpec`, behind a bridge."""
+    from orthrus_rag.engine.deploy import DEPLOYMENTS, ClientBridge
+
+    deployment = DEPLOYMENTS[serving](spec, threads)
+    try:
+        tokenizer = load_tokenizer(spec.model)
+        encoder_pooling = encoder_pooling_of(spec.embedding_model)
+    except BaseException:
+        deployment.shutdown()
+        raise
+    return ClientBackend(f"{serving} {threads}", ClientBridge(deployment, name=f"{serving}-bridge"), tokenizer,
+                         spec.model, spec.embedding_model, list(spec.embedding_adapter), encoder_pooling)

@@ -1,0 +1,75 @@
+"""`ClientEmbedder`: an `Embedder` over a `ClientBridge`, i.e. over a deployment (`dedicated`) or a peer."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from orthrus_rag.engine.deploy.bridge import ClientBridge
+from orthrus_rag.params import PoolingParams
+from orthrus_rag.retrievers.embedder import _concat, _stack, batches, pooling_identity
+
+
+class ClientEmbedder:
+    """Embeds documents and queries through `bridge` with their own `PoolingParams`.
+
+    The serving system is opaque here, so the caller says what it serves: `kind` (e.g. "engine" when the workers
+    run this project's engine, whose vectors equal the in-process engine's; a peer's name otherwise), the models
+    and the adapter. The dimension is asked of the system once.
+    """
+
+    def __init__(self, bridge: ClientBridge, model: str, embedding_model: str | None = None, kind: str = "engine",
+                 adapters: list[str] | None = None, adapter: str | None = None,
+                 document_params: PoolingParams | None = None, query_params: PoolingParams | None = None,
+                 batch_size: int = 256, dimension: int | None = None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.bridge = bridge
+        self.batch_size = batch_size
+        self.document_params = document_params or PoolingParams()
+        self.query_params = query_params or replace(self.document_params)
+        for params in (self.document_params, self.query_params):
+            if params.pooling == "all" and params.head is None:
+                raise ValueError("pooling='all' without a head gives one vector per token; pass a head")
+            if params.adapter != self.document_params.adapter:
+                raise ValueError("documents and queries must embed with the same adapter")
+        if dimension is None:
+            dimension = int(self._embed_sync(["dimension probe"], self.document_params).shape[1])
+        self.identity: dict[str, Any] = pooling_identity(
+            kind, model, embedding_model, list(adapters or []), adapter or self.document_params.adapter,
+            self.document_params, self.query_params, dimension)
+
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        return self._embed_sync(list(texts), self.document_params)
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return self._embed_sync([text], self.query_params)[0]
+
+    def embed_queries(self, texts: list[str]) -> np.ndarray:
+        return self._embed_sync(list(texts), self.query_params)
+
+    async def aembed_documents(self, texts: list[str]) -> np.ndarray:
+        return await self._aembed(list(texts), self.document_params)
+
+    async def aembed_query(self, text: str) -> np.ndarray:
+        return (await self._aembed([text], self.query_params))[0]
+
+    async def aembed_queries(self, texts: list[str]) -> np.ndarray:
+        return await self._aembed(list(texts), self.query_params)
+
+    def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("sync embedding inside an event loop would block it; await aembed_* instead")
+        return _concat([_stack(self.bridge.embed_sync(list(chunk), params))
+                        for chunk in batches(texts, self.batch_size, "embedding")])
+
+    async def _aembed(self, texts: list[str], params: PoolingParams) -> np.ndarray:
+        return _concat([_stack(await self.bridge.embed_many(list(chunk), params))
+                        for chunk in batches(texts, self.batch_size, "embedding")])

@@ -1,0 +1,176 @@
+"""ClientBridge and ClientEmbedder: awaitable generate / embed over any ServingClient, errors kept per request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from orthrus_rag import PoolingParams, SamplingParams
+from orthrus_rag.engine.deploy import ClientBridge, InProcessClient, RequestFailed, WorkerError
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.retrievers import ClientEmbedder, EngineEmbedder
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class FakeClient:
+    """A ServingClient that finishes each request `delay` polls after its submit; inputs steer failures:
+    "bad" is refused at submit, "reject" is rejected by poll (WorkerError naming it), "error" finishes with an
+    error, "crash" makes the next poll fail as a whole, "never" never finishes."""
+
+    def __init__(self, delay: int = 2) -> None:
+        self.delay = delay
+        self.pending: list[list] = []  # [polls left, kind, request id, input]
+        self.rejects: list[str] = []
+        self.crash = False
+        self.threads: set[str] = set()
+        self.shut = 0
+
+    def submit(self, kind, request_id, input, params):  # noqa: ANN001
+        self.threads.add(threading.current_thread().name)
+        if input == "bad":
+            raise ValueError("input is bad")
+        if input == "reject":
+            self.rejects.append(request_id)
+            return
+        self.crash |= input == "crash"
+        self.pending.append([self.delay, kind, request_id, input])
+
+    def poll(self, timeout_s):  # noqa: ANN001
+        self.threads.add(threading.current_thread().name)
+        if self.crash:
+            raise WorkerError("the embed worker exited unexpectedly")
+        if self.rejects:
+            raise WorkerError("rejected", request_ids=(self.rejects.pop(),))
+        time.sleep(min(timeout_s, 0.005))
+        done = []
+        for item in self.pending:
+            item[0] -= 1
+            if item[0] <= 0 and item[3] != "never":
+                done.append(item)
+        self.pending = [p for p in self.pending if p not in done]
+        outs = []
+        for _, kind, rid, text in done:
+            if kind == "generate":
+                outs.append(GenerationOutput(rid, [], [1], text.upper(), "error" if text == "error" else "length"))
+            else:
+                outs.append(EmbeddingOutput(rid, [], torch.tensor([float(len(text)), 1.0]),
+                                            error="pooling failed" if text == "error" else None))
+        return outs
+
+    def shutdown(self):
+        self.shut += 1
+
+
+def test_results_reach_their_callers_and_the_client_stays_on_one_thread() -> None:
+    client = FakeClient()
+    with ClientBridge(client, poll_s=0.01) as bridge:
+        async def main():
+            return await asyncio.gather(bridge.generate("abc"), bridge.embed_many(["x", "yyy"]),
+                                        bridge.generate("d"))
+        gen, embs, gen2 = asyncio.run(main())
+        assert (gen.text, gen2.text) == ("ABC", "D")
+        assert [e.embedding[0].item() for e in embs] == [1.0, 3.0]
+        assert bridge.generate_sync("sync").text == "SYNC"  # blocking use from a plain thread
+    assert client.threads == {"client-bridge"} and client.shut == 1
+
+
+def test_failures_stay_with_their_request() -> None:
+    client = FakeClient()
+    with ClientBridge(client, poll_s=0.01) as bridge:
+        futures = {t: bridge.submit("generate", t) for t in ("ok", "bad", "reject", "error", "ok2")}
+        assert futures["ok"].result(5).text == "OK" and futures["ok2"].result(5).text == "OK2"
+        with pytest.raises(RequestFailed, match="input is bad"):
+            futures["bad"].result(5)
+        with pytest.raises(RequestFailed, match="rejected"):
+            futures["reject"].result(5)
+        with pytest.raises(RequestFailed, match="failed: ERROR"):
+            futures["error"].result(5)
+        with pytest.raises(RequestFailed, match="pooling failed"):
+            bridge.embed_sync(["fine", "error"], timeout_s=5)
+        assert bridge.embed_sync(["still serving"], timeout_s=5)[0].embedding[0].item() == 13.0
+    with ClientBridge(FakeClient()) as bridge, pytest.raises(ValueError, match="unknown request kind"):
+        bridge.submit("classify", "x")
+
+
+def test_a_failed_client_fails_every_waiting_request_and_refuses_new_ones() -> None:
+    client = FakeClient(delay=1000)
+    bridge = ClientBridge(client, poll_s=0.01)
+    waiting = [bridge.submit("generate", "slow") for _ in range(3)]
+    crash = bridge.submit("embed", "crash")
+    for f in [*waiting, crash]:
+        with pytest.raises(WorkerError, match="exited unexpectedly"):
+            f.result(5)
+    with pytest.raises(RuntimeError, match="serving client failed"):
+        bridge.submit("generate", "late")
+    bridge.shutdown()
+    assert client.shut == 1
+
+
+def test_stall_and_shutdown_are_bounded() -> None:
+    bridge = ClientBridge(FakeClient(), poll_s=0.01, stall_timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no output for"):
+        bridge.submit("generate", "never").result(5)
+    assert time.monotonic() - t0 < 3
+    bridge.shutdown()
+
+    bridge = ClientBridge(FakeClient(delay=10**6), poll_s=0.01)
+    pending: Future = bridge.submit("generate", "slow")
+    bridge.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pending.result(5)
+    with pytest.raises(RuntimeError, match="shut down"):
+        bridge.submit("generate", "after")
+    bridge.shutdown()  # idempotent
+
+
+def test_max_in_flight_holds_the_rest_in_the_bridge() -> None:
+    client = FakeClient(delay=3)
+    seen: list[int] = []
+    poll = client.poll
+    client.poll = lambda t: (seen.append(len(client.pending)), poll(t))[1]  # type: ignore[method-assign]
+    with ClientBridge(client, poll_s=0.01, max_in_flight=4) as bridge:
+        outs = bridge.embed_sync([f"t{i}" for i in range(20)], timeout_s=10)
+    assert len(outs) == 20 and max(seen) <= 4
+
+
+# ---- over the real engine ----------------------------------------------------------------------------------------
+def test_bridge_over_the_engine_matches_engine_run(engine) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    texts = ["rivers and mountains", "a short note"]
+    want_gen, want_emb = engine.run(prompts, GREEDY, texts, PoolingParams())
+    bridge = ClientBridge(InProcessClient(engine))
+    try:
+        async def main():
+            return await asyncio.gather(*(bridge.generate(p, GREEDY) for p in prompts), bridge.embed_many(texts))
+        *gens, embs = asyncio.run(main())
+        assert [g.token_ids for g in gens] == [g.token_ids for g in want_gen]
+        for got, ref in zip(embs, want_emb):
+            torch.testing.assert_close(got.embedding, ref.embedding, atol=1e-5, rtol=0)
+        with pytest.raises(RequestFailed, match="prompt is empty"):
+            bridge.generate_sync("", GREEDY, timeout_s=30)
+    finally:
+        bridge.shutdown(close_client=False)  # the shared engine stays up for other tests
+
+
+def test_client_embedder_matches_the_engine_embedder(engine) -> None:
+    docs = ["Paris is the capital of France.", "The Nile flows north."]
+    doc, query = PoolingParams(), PoolingParams(instruction="query: ")
+    reference = EngineEmbedder(engine, document_params=doc, query_params=query)
+    bridge = ClientBridge(InProcessClient(engine))
+    try:
+        embedder = ClientEmbedder(bridge, engine.config.model.model, document_params=doc, query_params=query)
+        # NOTE: the same identity, so an index built in-process serves a deployment of the same engine
+        assert embedder.identity == reference.identity
+        np.testing.assert_allclose(embedder.embed_documents(docs), reference.embed_documents(docs), atol=1e-5)
+        got = asyncio.run(embedder.aembed_query("capital of France"))
+        np.testing.assert_allclose(got, reference.embed_query("capital of France"), atol=1e-5)
+    finally:
+        bridge.shutdown(close_client=False)
