@@ -114,35 +114,43 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     from orthrus_rag.params import SamplingParams
     from orthrus_rag.pipelines import IterRetGen, summarize, write_run
 
-    validate(cfg)  # before any model loads
-    examples = load_examples(cfg)
-    run_dir = Path(cfg.run_dir)
-    backend = backend if backend is not None else build_backend(cfg)
+    closed = False
+
+    async def _close() -> None:
+        nonlocal closed
+        if backend is not None and not closed:
+            closed = True
+            await backend.aclose()
+
     try:
+        validate(cfg)  # before any model loads
+        examples = load_examples(cfg)
+        run_dir = Path(cfg.run_dir)
+        backend = backend if backend is not None else build_backend(cfg)
         retriever = None
         if cfg.pipeline.name != "no_retrieval":
             # NOTE: built before the async loop starts, so the corpus embeds with blocking calls
             retriever = build_retriever(cfg, backend, build_corpus(examples), run_dir / "index")
-    except BaseException:
-        asyncio.run(backend.aclose())
-        raise
-    p = cfg.pipeline
-    iterations = 1 if p.name == "standard_rag" else p.iterations
-    pipeline = IterRetGen(backend.generator, retriever, iterations=iterations, k=cfg.retriever.k,
-                          sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
-                          chat_template=backend.tokenizer if p.chat_template else None,
-                          max_concurrency=p.max_concurrency)
-    backend.start()
+        p = cfg.pipeline
+        iterations = 1 if p.name == "standard_rag" else p.iterations
+        pipeline = IterRetGen(backend.generator, retriever, iterations=iterations, k=cfg.retriever.k,
+                              sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
+                              chat_template=backend.tokenizer if p.chat_template else None,
+                              max_concurrency=p.max_concurrency)
+        backend.start()
 
-    async def _main() -> list:
-        try:
-            return await pipeline.run(examples, progress=cfg.progress)
-        finally:
-            await backend.aclose()
+        async def _main() -> tuple[list, float]:
+            try:
+                start = time.perf_counter()
+                records = await pipeline.run(examples, progress=cfg.progress)
+                return records, time.perf_counter() - start  # NOTE: not counting the shutdown of workers
+            finally:
+                await _close()
 
-    start = time.perf_counter()
-    records = asyncio.run(_main())
-    wall = time.perf_counter() - start
+        records, wall = asyncio.run(_main())
+    finally:
+        if not closed:  # a failure before the pipeline ran: release workers and peers too
+            asyncio.run(_close())
     summary = summarize(records, wall)
     stats = backend.stats()
     if stats is not None:

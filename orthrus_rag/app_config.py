@@ -111,6 +111,11 @@ def validate(cfg: Any) -> None:
     threads = cfg.engine.threads
     if threads is not None and (len(threads) != 2 or any(t < 1 for t in threads)):
         raise ValueError(f"engine.threads must be two positive thread counts (one per worker), got {list(threads)}")
+    if cfg.engine.serving == "engine" and threads is not None:
+        raise ValueError("engine.threads sets a deployment's workers (engine=dedicated or disagg_pd); "
+                         "one engine takes model.num_threads")
+    if cfg.engine.serving != "engine" and cfg.model.num_threads is not None:
+        raise ValueError(f"model.num_threads sets one engine; the {cfg.engine.serving} workers take engine.threads")
     _choice(cfg.retriever.index_type, INDEX_TYPES, "retriever.index_type")
     if cfg.retriever.k < 1:
         raise ValueError(f"retriever.k must be at least 1, got {cfg.retriever.k}")

@@ -50,12 +50,15 @@ def test_typo_fails_at_compose_time():
     (["engine.serving=ray"], "unknown engine.serving 'ray'"),
     (["engine=dedicated", "engine.threads=[1]"], "engine.threads must be two positive"),
     (["engine=disagg_pd", "engine.threads=[0,1]"], "engine.threads must be two positive"),
+    (["engine.threads=[1,1]"], "engine.threads sets a deployment's workers"),
+    (["engine=dedicated", "model.num_threads=2"], "the dedicated workers take engine.threads"),
 ])
 def test_bad_config_fails_before_any_model_loads(overrides, message, monkeypatch, tmp_path):
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded for a bad config")
 
     monkeypatch.setattr("orthrus_rag.Engine.from_pretrained", no_model)
+    monkeypatch.setattr("orthrus_rag.backends.deployment_backend", no_model)
     cfg = _compose(*overrides, f"run_dir={tmp_path}")
     with pytest.raises(ValueError, match=message):
         app.run(cfg)

@@ -122,6 +122,7 @@ def test_iter_retgen_runs_every_system_through_the_same_app(benchmark, tmp_path)
         return [json.loads(line) for line in (tmp_path / system / "records.jsonl").read_text().splitlines()]
 
     # greedy, the same engine: the deployment answers and retrieves exactly as the one engine does
+    assert len(records("orthrus")) == len(records("dedicated")) == 2
     for a, b in zip(records("orthrus"), records("dedicated")):
         assert a["prediction"] == b["prediction"]
         assert [r["id"] for r in a["iterations"][0]["retrieved"]] == [r["id"] for r in b["iterations"][0]["retrieved"]]
@@ -129,7 +130,10 @@ def test_iter_retgen_runs_every_system_through_the_same_app(benchmark, tmp_path)
     assert all(r["iterations"][0]["retrieved"] for r in records("hf"))
     table = (tmp_path / "table.md").read_text()
     assert "q/s × dedicated" in table and "q/s × hf" in table
-    assert "| dedicated | " in table and "1.00×" in table
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()[2:]}
+    assert set(rows) == {"orthrus", "dedicated", "hf"}
+    assert rows["dedicated"][2] == "1.00×" and rows["hf"][3] == "1.00×"  # q/s ratios to itself
+    assert rows["orthrus"][2].endswith("×") and rows["orthrus"][3].endswith("×")
 
 
 def test_chunk_equivalence_matches_whole_sequence_pooling(benchmark, tmp_path):

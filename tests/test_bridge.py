@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from orthrus_rag import PoolingParams, SamplingParams
-from orthrus_rag.engine.deploy import ClientBridge, InProcessClient, RequestFailed, WorkerError
+from orthrus_rag.data.types import QAExample
+from orthrus_rag.engine.deploy import ClientBridge, ClientFailed, InProcessClient, RequestFailed, WorkerError
+from orthrus_rag.pipelines import IterRetGen
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.retrievers import ClientEmbedder, EngineEmbedder
 
@@ -36,6 +38,8 @@ class FakeClient:
         self.threads.add(threading.current_thread().name)
         if input == "bad":
             raise ValueError("input is bad")
+        if input == "dead":  # what a peer does once one of its engines has died
+            raise RuntimeError("generate: engine died")
         if input == "reject":
             self.rejects.append(request_id)
             return
@@ -105,19 +109,40 @@ def test_a_failed_client_fails_every_waiting_request_and_refuses_new_ones() -> N
     waiting = [bridge.submit("generate", "slow") for _ in range(3)]
     crash = bridge.submit("embed", "crash")
     for f in [*waiting, crash]:
-        with pytest.raises(WorkerError, match="exited unexpectedly"):
+        with pytest.raises(ClientFailed, match="WorkerError: the embed worker exited unexpectedly") as info:
             f.result(5)
-    with pytest.raises(RuntimeError, match="serving client failed"):
+        assert isinstance(info.value.__cause__, WorkerError)
+    with pytest.raises(ClientFailed, match="serving client failed"):
         bridge.submit("generate", "late")
     bridge.shutdown()
     assert client.shut == 1
 
 
+def test_a_client_that_fails_at_submit_fails_that_request_too() -> None:
+    bridge = ClientBridge(FakeClient(delay=1000), poll_s=0.01)
+    slow = bridge.submit("generate", "slow")
+    dead = bridge.submit("generate", "dead")
+    for f in (slow, dead):  # none is left waiting forever
+        with pytest.raises(ClientFailed, match="engine died"):
+            f.result(5)
+    bridge.shutdown()
+
+
+def test_a_failed_client_fails_questions_not_the_pipeline_run() -> None:
+    client = FakeClient(delay=1000)
+    examples = [QAExample(f"q{i}", f"question {i}?", ["x"]) for i in range(3)]
+    with ClientBridge(client, poll_s=0.01, stall_timeout_s=0.5) as bridge:
+        records = asyncio.run(IterRetGen(bridge, None).run(examples, progress=False))
+    assert [r.id for r in records] == ["q0", "q1", "q2"]
+    assert all(r.error and "no output for 0 s" in r.error for r in records)
+
+
 def test_stall_and_shutdown_are_bounded() -> None:
     bridge = ClientBridge(FakeClient(), poll_s=0.01, stall_timeout_s=0.3)
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="no output for"):
+    with pytest.raises(ClientFailed, match="TimeoutError: no output for") as info:
         bridge.submit("generate", "never").result(5)
+    assert isinstance(info.value.__cause__, TimeoutError)
     assert time.monotonic() - t0 < 3
     bridge.shutdown()
 
@@ -172,5 +197,26 @@ def test_client_embedder_matches_the_engine_embedder(engine) -> None:
         np.testing.assert_allclose(embedder.embed_documents(docs), reference.embed_documents(docs), atol=1e-5)
         got = asyncio.run(embedder.aembed_query("capital of France"))
         np.testing.assert_allclose(got, reference.embed_query("capital of France"), atol=1e-5)
+    finally:
+        bridge.shutdown(close_client=False)
+
+
+def test_client_backend_embeds_like_the_engine_on_a_separate_encoder() -> None:
+    from orthrus_rag import Engine
+    from orthrus_rag.backends import ClientBackend, EngineBackend
+    from tests.conftest import MINILM, SMOL, engine_overrides
+
+    engine = Engine.from_pretrained(SMOL, embedding_model=MINILM, **engine_overrides())
+    local = EngineBackend(engine)
+    doc = PoolingParams(**local.encoder_pooling, truncate=True)
+    query = PoolingParams(**local.encoder_pooling, instruction="query: ", truncate=True)
+    bridge = ClientBridge(InProcessClient(engine))
+    remote = ClientBackend("test", bridge, engine.tokenizer, SMOL, MINILM, encoder_pooling=local.encoder_pooling)
+    try:
+        a, b = local.embedder(doc, query), remote.embedder(doc, query)
+        assert a.identity == b.identity and a.identity["embedding_model"] == MINILM
+        assert a.identity["dimension"] == 384
+        np.testing.assert_allclose(b.embed_documents(["the Nile flows north"]),
+                                   a.embed_documents(["the Nile flows north"]), atol=1e-5)
     finally:
         bridge.shutdown(close_client=False)

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(config_name="config", overrides=args.overrides)
     if "run_dir=" not in " ".join(args.overrides):
         raise SystemExit("error: pass run_dir=... (the ${now:} default needs a Hydra run)")
-    try:
+    try:  # NOTE: app.run closes the backend (the peer's engines) whatever happens
         summary = app.run(cfg, backend=peer_backend(args.peer, cfg, json.loads(args.options)))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -61,8 +61,12 @@ def peer_backend(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) 
     m = cfg.model
     if m.embedding_adapter is not None:
         raise ValueError("a peer embeds without LoRA adapters; set model.embedding_adapter=null")
-    client = make_peer(peer, embed_model=m.embedding_model or m.name, temperature=cfg.pipeline.temperature,
-                       return_embeddings=True, gen_model=m.name, **options)
+    if m.embedding_model is None and cfg.retriever.pooling != "mean":
+        # NOTE: the peers pool a decoder's states by mean + L2 only; anything else would be mislabelled
+        raise ValueError(f"a peer embeds with mean pooling on the backbone, not {cfg.retriever.pooling!r}")
+    kwargs = {"embed_model": m.embedding_model or m.name, "gen_model": m.name,
+              "temperature": cfg.pipeline.temperature, **options}  # the peer's options win
+    client = make_peer(peer, return_embeddings=True, **kwargs)
     try:
         tokenizer, pooling = load_tokenizer(m.name), encoder_pooling_of(m.embedding_model)
     except BaseException:

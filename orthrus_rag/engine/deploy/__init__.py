@@ -5,7 +5,7 @@ results over that seam (pipelines on a deployment or a peer)."""
 from orthrus_rag.engine.deploy.deployments import DEPLOYMENTS, DedicatedDeployment, DisaggPDDeployment
 from orthrus_rag.engine.deploy.spec import Deployment, EngineSpec, WorkerError
 from orthrus_rag.engine.deploy.client import SYSTEMS, InProcessClient, ServingClient, make_client  # noqa: I001
-from orthrus_rag.engine.deploy.bridge import ClientBridge, RequestFailed
+from orthrus_rag.engine.deploy.bridge import ClientBridge, ClientFailed, RequestFailed
 
-__all__ = ["DEPLOYMENTS", "SYSTEMS", "ClientBridge", "DedicatedDeployment", "Deployment", "DisaggPDDeployment", "EngineSpec",
-           "InProcessClient", "RequestFailed", "ServingClient", "WorkerError", "make_client"]
+__all__ = ["DEPLOYMENTS", "SYSTEMS", "ClientBridge", "ClientFailed", "DedicatedDeployment", "Deployment",
+           "DisaggPDDeployment", "EngineSpec", "InProcessClient", "RequestFailed", "ServingClient", "WorkerError", "make_client"]

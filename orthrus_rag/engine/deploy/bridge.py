@@ -8,8 +8,9 @@ the in-process engine, the two-process deployments (`dedicated`, `disagg-pd`) an
 same pipeline code.
 
 Failures stay with the request that caused them: an output that reports an error, or a request the client
-rejects, fails only its own future. A client that fails as a whole, or one that returns nothing for
-`stall_timeout_s` while requests wait, fails every waiting request; the bridge then refuses new ones.
+rejects, fails only its own future (`RequestFailed`). A client that fails as a whole, or one that returns
+nothing for `stall_timeout_s` while requests wait, fails every waiting request (`ClientFailed`); the bridge then
+refuses new ones.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class RequestFailed(RuntimeError):
     """One request failed in the serving system (bad input, a pooling error); other requests go on."""
 
 
+class ClientFailed(RuntimeError):
+    """The serving client failed as a whole (a dead worker, a stall); every waiting request gets this, its
+    `__cause__` is the client's own error. A RuntimeError, so a pipeline records it per question and goes on."""
+
+
 class ClientBridge:
     """Generate / embed through a `ServingClient` (`client.submit` / `poll` / `shutdown`), which it then owns.
 
@@ -54,8 +60,10 @@ class ClientBridge:
         self._in_flight: dict[str, Future] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
-        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # NOTE: orders a submit's checks + put against the pump's final drain
+        self._error: ClientFailed | None = None
         self._closed = False
+        self._drained = False
         self._thread = threading.Thread(target=self._pump, name=name, daemon=True)
         self._thread.start()
 
@@ -65,12 +73,13 @@ class ClientBridge:
         """Queue one request; its future resolves to the finished output or fails with `RequestFailed`."""
         if kind not in ("generate", "embed"):
             raise ValueError(f"unknown request kind {kind!r}; expected 'embed' or 'generate'")
-        if self._error is not None:
-            raise RuntimeError(f"the serving client failed: {self._error}") from self._error
-        if self._closed:
-            raise RuntimeError("the ClientBridge is shut down")
         future: Future = Future()
-        self._inbox.put((kind, f"{kind[:3]}-{next(self._ids)}", input, params, future))
+        with self._lock:
+            if self._error is not None:
+                raise ClientFailed(str(self._error)) from self._error.__cause__
+            if self._closed or self._drained:
+                raise RuntimeError("the ClientBridge is shut down")
+            self._inbox.put((kind, f"{kind[:3]}-{next(self._ids)}", input, params, future))
         return future
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationOutput:
@@ -120,9 +129,13 @@ class ClientBridge:
                                        f"{len(self._in_flight)} requests in flight")
         except BaseException as exc:  # noqa: BLE001 (reported to every waiting caller)
             logger.error("serving client failed: %s", exc)
-            self._error = exc
+            failure = ClientFailed(f"the serving client failed: {type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            self._error = failure
         finally:
             reason = self._error or RuntimeError("the ClientBridge was shut down")
+            with self._lock:  # no submit can queue behind this drain
+                self._drained = True
             self._fail(list(self._in_flight), reason)
             while True:
                 try:
@@ -146,6 +159,9 @@ class ClientBridge:
             except (ValueError, TypeError) as exc:  # bad input, refused before it reached the system
                 future.set_exception(RequestFailed(f"{type(exc).__name__}: {exc}"))
                 continue
+            except BaseException:
+                self._in_flight[rid] = future  # NOTE: the client failed; the pump fails this one with the rest
+                raise
             self._in_flight[rid] = future
 
     def _resolve(self, out: Output) -> None:
@@ -174,8 +190,10 @@ class ClientBridge:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("the bridge's pump thread did not stop within %.0f s", timeout_s)
+        if self._thread.is_alive():  # NOTE: still inside the client: shutting it down here would race the pump
+            logger.warning("the bridge's pump thread did not stop within %.0f s; the client is left to it",
+                           timeout_s)
+            return
         if close_client:
             self.client.shutdown()
 

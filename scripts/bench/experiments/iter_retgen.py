@@ -75,7 +75,11 @@ def run_one(cfg: DictConfig, system: str, out: Path) -> dict | None:
         logger.warning("%s skipped: %s not found (install it with `make peers`)", system, cfg.peers_python)
         return None
     logger.info("%s: %s", system, " ".join(cmd))
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=cfg.experiment.timeout_s)
+    try:
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=cfg.experiment.timeout_s)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        logger.error("%s failed (%s); its row is missing", system, exc)  # the other systems' rows still count
+        return None
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line]
     return {"summary": summary, "latencies": [r["latency_s"] for r in records if r.get("error") is None]}
@@ -94,7 +98,7 @@ def main(cfg: DictConfig, out: Path) -> None:
 
 def report(cfg: DictConfig, results: dict[str, dict], out: Path) -> None:
     write_json(out / "results.json", {"policies": {p: r["summary"] for p, r in results.items()}})
-    base, peer = cfg.baseline, next((p for p in cfg.peers if p in results), None)
+    base, peer = cfg.baseline, next((p for p in results if p in PEERS), None)
     refs = {name: results[name]["summary"] for name in (base, peer) if name in results}
     ratio = lambda s, name, get: _fmt(get(s) / get(refs[name])) + "×" if name in refs else "–"  # noqa: E731
     qps = lambda s: s["throughput_qps"]  # noqa: E731
