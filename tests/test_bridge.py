@@ -134,7 +134,7 @@ def test_a_failed_client_fails_questions_not_the_pipeline_run() -> None:
     with ClientBridge(client, poll_s=0.01, stall_timeout_s=0.5) as bridge:
         records = asyncio.run(IterRetGen(bridge, None).run(examples, progress=False))
     assert [r.id for r in records] == ["q0", "q1", "q2"]
-    assert all(r.error and "no output for 0 s" in r.error for r in records)
+    assert all(r.error and "no output for 0.5 s" in r.error for r in records)
 
 
 def test_stall_and_shutdown_are_bounded() -> None:

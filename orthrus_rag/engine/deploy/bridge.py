@@ -125,7 +125,7 @@ class ClientBridge:
                 for out in outputs:
                     self._resolve(out)
                 if time.monotonic() - last_output > self.stall_timeout_s:
-                    raise TimeoutError(f"no output for {self.stall_timeout_s:.0f} s with "
+                    raise TimeoutError(f"no output for {self.stall_timeout_s:g} s with "
                                        f"{len(self._in_flight)} requests in flight")
         except BaseException as exc:  # noqa: BLE001 (reported to every waiting caller)
             logger.error("serving client failed: %s", exc)
