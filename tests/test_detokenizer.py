@@ -115,3 +115,25 @@ def test_stop_string_beats_length(tok: Any, eos: set[int]) -> None:
     req, reason = _generate(tok, eos, ids, max_tokens=2, stop=["world"])
     assert reason == "stop"
     assert req.output_text == "Hello "
+
+
+def test_stream_text_only_grows_into_the_final_text(tok: Any, eos: set[int]) -> None:
+    from orthrus_rag.engine.detokenizer import stream_text
+
+    text = "Paris is the capital.\n\nQuestion: and Rome? Les élèves ont 20€."
+    ids = tok.encode(text)
+    for stop in ([], ["\n\nQuestion"], ["xyz-never", "capital"]):
+        req = Request("r0", RequestKind.GENERATE, prompt_token_ids=[1],
+                      sampling_params=SamplingParams(max_tokens=100, stop=stop), stream=True)
+        shown = []
+        for token_id in ids:
+            req.output_token_ids.append(token_id)
+            if update_output(req, tok, eos) is not None:
+                break
+            shown.append(stream_text(req))
+        final = req.output_text
+        assert all(b.startswith(a) for a, b in zip(shown, shown[1:])), stop
+        assert all(final.startswith(s) and "\ufffd" not in s for s in shown), stop
+    # the streamed text never showed the start of the stop string the final text was cut at
+    req_final = "Paris is the "
+    assert final == req_final and all(len(s) <= len(req_final) for s in shown)

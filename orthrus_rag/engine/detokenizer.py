@@ -56,3 +56,20 @@ def _truncate_at_stop(req: Request, prev_len: int) -> bool:
     idx, stop_str = best
     req.output_text = text[: idx + len(stop_str)] if params.include_stop_str_in_output else text[:idx]
     return True
+
+
+def stream_text(req: Request) -> str:
+    """The text an unfinished streaming snapshot may show, so that snapshot texts only ever grow into the final
+    text (what a client appending deltas needs):
+
+    - without a trailing U+FFFD: the bytes of a character split over tokens decode to it until the rest arrive;
+    - with stop strings, without the last (longest stop string - 1) characters: a later token may complete a stop
+      string that starts there, and the final text is cut before it (vLLM holds back the same way). A stop string
+      starting earlier would already lie whole in the text and have finished the request.
+    """
+    params = req.sampling_params
+    assert params is not None
+    text = req.output_text
+    if params.stop:
+        text = text[: max(0, len(text) - (max(len(s) for s in params.stop) - 1))]
+    return text.rstrip("\ufffd")

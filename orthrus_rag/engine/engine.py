@@ -18,7 +18,7 @@ import torch
 
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
-from orthrus_rag.engine.detokenizer import update_output
+from orthrus_rag.engine.detokenizer import stream_text, update_output
 from orthrus_rag.engine.handoff import HandoffOutput, restore_generator
 from orthrus_rag.engine.input_processor import InputProcessor
 from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
@@ -205,7 +205,7 @@ class Engine:
                     finished.append(self._hand_off(req, now))
                 elif req.stream:
                     finished.append(GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids),
-                                                     req.output_text, None, finished=False))
+                                                     stream_text(req), None, finished=False))
         return finished
 
     def _finish(self, req: Request, now: float, embedding: torch.Tensor | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -44,13 +45,21 @@ def resolve_model_path(name: str) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"GGUF file not found: {path}")
-        return convert_gguf(path, cache_root() / path.stem)
+        return convert_gguf(path, cache_root() / gguf_cache_name(path))
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"model {name!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), "
                          "a checkpoint folder, a .gguf file, nor a hub id 'org/name'")
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS))
+
+
+def gguf_cache_name(path: Path) -> str:
+    """The cache folder of a user's GGUF file: its stem plus a digest of where it is, its size and mtime, so two
+    files of one name, or a file replaced in place, never share (or reuse) a conversion."""
+    st = path.resolve().stat()
+    key = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    return f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
