@@ -34,7 +34,7 @@ def build_engine(cfg: Any):  # -> Engine
         device=m.device, num_threads=m.num_threads, seed=cfg.seed, policy=e.policy,
         max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
         max_chunk_tokens=e.max_chunk_tokens, min_share=e.min_share, block_size=e.block_size,
-        kv_cache_gib=e.kv_cache_gib)
+        kv_cache_gib=e.kv_cache_gib, enable_prefix_caching=e.enable_prefix_caching)
 
 
 def engine_spec(cfg: Any):  # -> EngineSpec: the engine of each worker of a deployment
@@ -46,7 +46,7 @@ def engine_spec(cfg: Any):  # -> EngineSpec: the engine of each worker of a depl
         "dtype": m.dtype, "device": m.device, "seed": cfg.seed, "policy": e.policy,
         "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
         "max_chunk_tokens": e.max_chunk_tokens, "min_share": e.min_share, "block_size": e.block_size,
-        "kv_cache_gib": e.kv_cache_gib})
+        "kv_cache_gib": e.kv_cache_gib, "enable_prefix_caching": e.enable_prefix_caching})
 
 
 def build_backend(cfg: Any):  # -> Backend

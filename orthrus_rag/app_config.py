@@ -49,6 +49,7 @@ class EngineConf:
     min_share: float = 0.1
     block_size: int = 16
     kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = False  # share the KV of common prompt prefixes (few-shot demonstrations)
     max_pending: int = 8192
 
 

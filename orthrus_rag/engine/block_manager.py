@@ -34,15 +34,34 @@ class BlockManager:
         needed = self.num_blocks_needed(req, num_new_tokens)
         assert needed <= len(self.free_blocks), "allocate() without can_allocate()"
         for _ in range(needed):
-            req.block_table.append(self.free_blocks.popleft())
+            req.block_table.append(self._take())
 
     def trim(self, req: Request, num_new_tokens: int) -> None:
         """Return blocks beyond what this step needs (a chunk grown into an embedding's final chunk writes no
         KV, so the blocks taken for it are not needed)."""
         keep = -(-req.num_kv_tokens_after(num_new_tokens) // self.block_size)
         while len(req.block_table) > keep:
-            self.free_blocks.append(req.block_table.pop())
+            self._release(req.block_table.pop())
 
     def free(self, req: Request) -> None:
-        self.free_blocks.extend(req.block_table)
+        for block in reversed(req.block_table):  # NOTE: tail first: a prefix cache evicts a prompt's end first
+            self._release(block)
         req.block_table = []
+
+    # ---- prefix caching (PrefixCachingBlockManager); without it nothing is shared ------------------------------
+    def match_prefix(self, req: Request) -> int:
+        """Give a request about to start the cached blocks of its prompt's longest cached prefix; the tokens it
+        need not compute."""
+        return 0
+
+    def unmatch(self, req: Request) -> None:
+        """Undo `match_prefix` for a request that could not start after all."""
+
+    def cache_computed(self, req: Request) -> None:
+        """Record the blocks of `req`'s prompt that are now full and computed."""
+
+    def _take(self) -> int:
+        return self.free_blocks.popleft()
+
+    def _release(self, block: int) -> None:
+        self.free_blocks.append(block)

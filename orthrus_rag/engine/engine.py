@@ -18,6 +18,7 @@ import torch
 
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
+from orthrus_rag.engine.prefix_cache import PrefixCachingBlockManager
 from orthrus_rag.engine.detokenizer import stream_text, update_output
 from orthrus_rag.engine.handoff import HandoffOutput, restore_generator
 from orthrus_rag.engine.input_processor import InputProcessor
@@ -47,7 +48,8 @@ class Engine:
         max_len = config.model.max_model_len or hf.max_position_embeddings
         cache = config.cache
         num_blocks = cache.resolve_num_blocks(kv_bytes_per_token(model, config.model.torch_dtype))
-        self.block_manager = BlockManager(num_blocks, cache.block_size)
+        manager = PrefixCachingBlockManager if cache.enable_prefix_caching else BlockManager
+        self.block_manager = manager(num_blocks, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder)
         self.inputs = InputProcessor(
@@ -178,6 +180,7 @@ class Engine:
         result = self.runner.execute(sched)
         for s in sched.scheduled:
             s.req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_computed(s.req)  # NOTE: before _process frees the blocks of finished ones
         outputs = self._process(result, [s.req for s in sched.scheduled] + sched.encoder)
         stats.step_time = time.monotonic() - now
         self.step_stats.append(stats)

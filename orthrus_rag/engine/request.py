@@ -46,6 +46,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # prefix caching (engine/prefix_cache.py): names of the prompt's full blocks, and how many are registered
+    block_names: list[bytes] | None = None
+    num_registered_blocks: int = 0
     # runtime state owned by the runner (pooler accumulators, RNG); opaque to the scheduler
     pooler_state: Any = None
     generator: Any = None
@@ -120,6 +123,7 @@ class Request:
         """Preemption by recompute: forget the cache, keep the tokens (prompt and output so far)."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.num_registered_blocks = 0
         self.pooler_state = None
         self.status = RequestStatus.WAITING
         self.num_preemptions += 1

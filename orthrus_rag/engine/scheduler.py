@@ -197,12 +197,17 @@ class Scheduler:
                 out.budget_used += cost
                 used += cost
                 continue
-            num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)
             if req in self.running:
+                num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)
                 if self._schedule_running(req, num_new, out):
                     used += num_new
                 continue
-            if not admit or not self.block_manager.can_allocate(req, num_new):
+            if not admit:
+                continue
+            self.block_manager.match_prefix(req)  # a cached prompt prefix counts as computed
+            num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)
+            if not self.block_manager.can_allocate(req, num_new):
+                self.block_manager.unmatch(req)
                 admit = False  # in-flight requests later in the list still continue
                 continue
             self.block_manager.allocate(req, num_new)
