@@ -10,10 +10,10 @@ import numpy as np
 
 from orthrus_rag.engine.deploy.bridge import ClientBridge
 from orthrus_rag.params import PoolingParams
-from orthrus_rag.retrievers.embedder import _concat, _stack, batches, pooling_identity
+from orthrus_rag.retrievers.embedder import EmbedderMethods, _concat, _stack, batches, pooling_identity
 
 
-class ClientEmbedder:
+class ClientEmbedder(EmbedderMethods):
     """Embeds documents and queries through `bridge` with their own `PoolingParams`.
 
     The serving system is opaque here, so the caller says what it serves: `kind` (e.g. "engine" when the workers
@@ -41,24 +41,6 @@ class ClientEmbedder:
         self.identity: dict[str, Any] = pooling_identity(
             kind, model, embedding_model, list(adapters or []), adapter or self.document_params.adapter,
             self.document_params, self.query_params, dimension)
-
-    def embed_documents(self, texts: list[str]) -> np.ndarray:
-        return self._embed_sync(list(texts), self.document_params)
-
-    def embed_query(self, text: str) -> np.ndarray:
-        return self._embed_sync([text], self.query_params)[0]
-
-    def embed_queries(self, texts: list[str]) -> np.ndarray:
-        return self._embed_sync(list(texts), self.query_params)
-
-    async def aembed_documents(self, texts: list[str]) -> np.ndarray:
-        return await self._aembed(list(texts), self.document_params)
-
-    async def aembed_query(self, text: str) -> np.ndarray:
-        return (await self._aembed([text], self.query_params))[0]
-
-    async def aembed_queries(self, texts: list[str]) -> np.ndarray:
-        return await self._aembed(list(texts), self.query_params)
 
     def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
         try:

@@ -55,7 +55,40 @@ def batches(items: Sequence[Any], batch_size: int, desc: str) -> Iterator[Sequen
             bar.update(len(chunk))
 
 
-class EngineEmbedder:
+class EmbedderMethods:
+    """The public `Embedder` methods, over `_embed_sync(texts, params)` / `_aembed(texts, params)` and the
+    `document_params` / `query_params` of a concrete embedder."""
+
+    document_params: PoolingParams
+    query_params: PoolingParams
+
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        return self._embed_sync(list(texts), self.document_params)
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return self._embed_sync([text], self.query_params)[0]
+
+    def embed_queries(self, texts: list[str]) -> np.ndarray:
+        """Many queries submitted together, so they share engine steps."""
+        return self._embed_sync(list(texts), self.query_params)
+
+    async def aembed_documents(self, texts: list[str]) -> np.ndarray:
+        return await self._aembed(list(texts), self.document_params)
+
+    async def aembed_query(self, text: str) -> np.ndarray:
+        return (await self._aembed([text], self.query_params))[0]
+
+    async def aembed_queries(self, texts: list[str]) -> np.ndarray:
+        return await self._aembed(list(texts), self.query_params)
+
+    def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
+        raise NotImplementedError
+
+    async def _aembed(self, texts: list[str], params: PoolingParams) -> np.ndarray:
+        raise NotImplementedError
+
+
+class EngineEmbedder(EmbedderMethods):
     """An `Embedder` over an orthrus `Engine` (sync) or `AsyncEngine`.
 
     Documents and queries pool with their own `PoolingParams` (e.g. queries with an instruction prefix); both
@@ -110,16 +143,6 @@ class EngineEmbedder:
                                 dimension)
 
     # ---- sync -------------------------------------------------------------------------------------------
-    def embed_documents(self, texts: list[str]) -> np.ndarray:
-        return self._embed_sync(list(texts), self.document_params)
-
-    def embed_query(self, text: str) -> np.ndarray:
-        return self._embed_sync([text], self.query_params)[0]
-
-    def embed_queries(self, texts: list[str]) -> np.ndarray:
-        """Many queries submitted together, so they share engine steps."""
-        return self._embed_sync(list(texts), self.query_params)
-
     def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
         if self.aengine is not None:
             return self._embed_via_async(texts, params)
@@ -147,15 +170,6 @@ class EngineEmbedder:
         return asyncio.run_coroutine_threadsafe(self._aembed(texts, params), loop).result()
 
     # ---- async ------------------------------------------------------------------------------------------
-    async def aembed_documents(self, texts: list[str]) -> np.ndarray:
-        return await self._aembed(list(texts), self.document_params)
-
-    async def aembed_query(self, text: str) -> np.ndarray:
-        return (await self._aembed([text], self.query_params))[0]
-
-    async def aembed_queries(self, texts: list[str]) -> np.ndarray:
-        return await self._aembed(list(texts), self.query_params)
-
     async def _aembed(self, texts: list[str], params: PoolingParams) -> np.ndarray:
         if self.aengine is None:  # a sync engine: run it off the event loop
             return await asyncio.to_thread(self._embed_sync, texts, params)
