@@ -54,6 +54,7 @@ class EngineBackend(Backend):
         self.tokenizer = engine.tokenizer
         self.encoder_pooling = dict(engine.encoder_pooling)
         self._first_step = engine.num_steps
+        self._first_hits = 0
 
     @property
     def generator(self) -> Any:
@@ -66,6 +67,7 @@ class EngineBackend(Backend):
 
     def start(self) -> None:
         self._first_step = self.engine.num_steps
+        self._first_hits = getattr(self.engine.block_manager, "num_hit_tokens", 0)
 
     def steps(self) -> list:
         return [s for s in self.engine.step_stats if s.step >= self._first_step]
@@ -73,7 +75,11 @@ class EngineBackend(Backend):
     def stats(self) -> dict[str, Any] | None:
         from orthrus_rag.engine.stats import summarize_steps
 
-        return summarize_steps(self.steps())
+        stats = summarize_steps(self.steps())
+        hits = getattr(self.engine.block_manager, "num_hit_tokens", None)
+        if hits is not None:  # prefix caching on: prompt tokens served from cached blocks
+            stats["prefix_cache_hit_tokens"] = hits - self._first_hits
+        return stats
 
     async def aclose(self) -> None:
         await self.aengine.shutdown()

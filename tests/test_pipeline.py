@@ -67,3 +67,20 @@ def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path):
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 6 and all(len(r["iterations"]) == 2 for r in records)
     assert (tmp_path / "summary.json").is_file() and (tmp_path / "index" / "manifest.json").is_file()
+
+
+def test_prefix_caching_serves_the_shared_prompt_prefix_and_changes_no_answer(tmp_path: Path):
+    from orthrus_rag import app
+
+    base = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
+            "progress=false"]
+    plain = app.run(_compose(*base, f"run_dir={tmp_path / 'plain'}"))
+    cached = app.run(_compose(*base, f"run_dir={tmp_path / 'cached'}", "engine.enable_prefix_caching=true"))
+    assert "prefix_cache_hit_tokens" not in plain["engine"]
+    assert cached["engine"]["prefix_cache_hit_tokens"] > 0  # the few-shot prompt head is shared
+    assert cached["engine"]["prefill_tokens"] < plain["engine"]["prefill_tokens"]
+
+    def answers(name):
+        return [json.loads(line)["prediction"] for line in (tmp_path / name / "records.jsonl").read_text().splitlines()]
+
+    assert answers("cached") == answers("plain")
