@@ -29,7 +29,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.ref_counts = [0] * num_blocks
         self.name_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
-        self.num_hit_tokens = 0  # prompt tokens served from the cache so far
+        self.num_hit_tokens = 0  # prompt tokens served from the cache so far (first admissions only)
 
     def block_names(self, req: Request) -> list[bytes]:
         """Names of the full blocks of `req`'s prompt (computed once per request)."""
@@ -55,11 +55,13 @@ class PrefixCachingBlockManager(BlockManager):
             req.block_table.append(block)
         req.num_computed_tokens = len(req.block_table) * self.block_size
         req.num_registered_blocks = len(req.block_table)
-        self.num_hit_tokens += req.num_computed_tokens
+        if not req.num_preemptions:  # NOTE: a re-admitted victim finding its own blocks again is no new hit
+            self.num_hit_tokens += req.num_computed_tokens
         return req.num_computed_tokens
 
     def unmatch(self, req: Request) -> None:
-        self.num_hit_tokens -= req.num_computed_tokens
+        if not req.num_preemptions:
+            self.num_hit_tokens -= req.num_computed_tokens
         self.free(req)
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0

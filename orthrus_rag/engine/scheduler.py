@@ -202,7 +202,7 @@ class Scheduler:
                 if self._schedule_running(req, num_new, out):
                     used += num_new
                 continue
-            if not admit:
+            if not admit or out.preempted:  # NOTE: a victim of this step waits for the next one
                 continue
             self.block_manager.match_prefix(req)  # a cached prompt prefix counts as computed
             num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)
