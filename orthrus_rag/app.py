@@ -28,16 +28,13 @@ def load_examples(cfg: Any) -> list:
 def build_engine(cfg: Any):  # -> Engine
     from orthrus_rag import Engine
 
-    m, e = cfg.model, cfg.engine
-    return Engine.from_pretrained(
-        m.name, embedding_adapter=m.embedding_adapter, embedding_model=m.embedding_model, dtype=m.dtype,
-        device=m.device, num_threads=m.num_threads, seed=cfg.seed, policy=e.policy,
-        max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
-        max_chunk_tokens=e.max_chunk_tokens, min_share=e.min_share, block_size=e.block_size,
-        kv_cache_gib=e.kv_cache_gib, enable_prefix_caching=e.enable_prefix_caching)
+    spec = engine_spec(cfg)
+    return Engine.from_pretrained(spec.model, embedding_adapter=list(spec.embedding_adapter),
+                                  embedding_model=spec.embedding_model, num_threads=cfg.model.num_threads,
+                                  **spec.overrides)
 
 
-def engine_spec(cfg: Any):  # -> EngineSpec: the engine of each worker of a deployment
+def engine_spec(cfg: Any):  # -> EngineSpec: the one engine, or each worker's of a deployment
     from orthrus_rag.engine.deploy import EngineSpec
 
     m, e = cfg.model, cfg.engine

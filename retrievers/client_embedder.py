@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -10,7 +9,8 @@ import numpy as np
 
 from orthrus_rag.engine.deploy.bridge import ClientBridge
 from orthrus_rag.params import PoolingParams
-from orthrus_rag.retrievers.embedder import EmbedderMethods, _concat, _stack, batches, pooling_identity
+from orthrus_rag.retrievers.embedder import (EmbedderMethods, _concat, _stack, batches, pooling_identity,
+                                             refuse_inside_event_loop)
 
 
 class ClientEmbedder(EmbedderMethods):
@@ -43,12 +43,7 @@ class ClientEmbedder(EmbedderMethods):
             self.document_params, self.query_params, dimension)
 
     def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise RuntimeError("sync embedding inside an event loop would block it; await aembed_* instead")
+        refuse_inside_event_loop()
         return _concat([_stack(self.bridge.embed_sync(list(chunk), params))
                         for chunk in batches(texts, self.batch_size, "embedding")])
 

@@ -153,13 +153,7 @@ class EngineEmbedder(EmbedderMethods):
         return _concat(parts)
 
     def _embed_via_async(self, texts: list[str], params: PoolingParams) -> np.ndarray:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise RuntimeError("sync embedding on an AsyncEngine inside its event loop would block it; "
-                               "await aembed_documents / aembed_query instead")
+        refuse_inside_event_loop()
         # NOTE: the AsyncEngine starts its loop thread on first use; until then the sync engine is ours to run
         loop: asyncio.AbstractEventLoop | None = getattr(self.aengine, "_loop", None)
         if loop is None:
@@ -176,6 +170,16 @@ class EngineEmbedder(EmbedderMethods):
         parts = [_stack(await self.aengine.embed_many(list(c), params))
                  for c in batches(texts, self.batch_size, "embedding")]
         return _concat(parts)
+
+
+def refuse_inside_event_loop() -> None:
+    """Blocking embedding calls from inside a running event loop would stall the loop they wait on."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError("sync embedding inside a running event loop would block it; "
+                       "await aembed_documents / aembed_query instead")
 
 
 def pooling_identity(kind: str, model: str, embedding_model: str | None, adapters: list[str], adapter: str | None,
