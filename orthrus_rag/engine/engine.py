@@ -10,7 +10,7 @@ import itertools
 from collections import deque
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -65,6 +65,8 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)  # bounded: long-lived servers
+        # called with every step's statistics (metrics, run summaries, steps.jsonl); must not raise or block
+        self.step_observers: list[Callable[[StepStats], None]] = []
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m-instruct", embedding_adapter: str | list[str] | None = None,
@@ -184,6 +186,8 @@ class Engine:
         outputs = self._process(result, [s.req for s in sched.scheduled] + sched.encoder)
         stats.step_time = time.monotonic() - now
         self.step_stats.append(stats)
+        for observe in self.step_observers:
+            observe(stats)
         self.num_steps += 1
         return outputs
 
