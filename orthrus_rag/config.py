@@ -20,12 +20,17 @@ class ModelConfig:
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    # fp32 on CPU: run Linear layers on a oneDNN copy of their weights (layers/linear.py; ~2x MKL on AMD CPUs)
-    onednn_linear: bool = True
+    # fp32 on CPU: Linear layers on torch's dense matmul or a oneDNN copy of their weights; "auto" times both on
+    # the model's shapes at load (layers/linear.py: oneDNN ~2x MKL on an AMD EPYC, MKL ahead on a Xeon)
+    linear_kernel: str = "auto"
+    # attention: "auto" (varlen flash on CUDA where torch has it, else grouped SDPA), "grouped", "reference"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
+        if self.linear_kernel not in ("auto", "dense", "onednn"):
+            raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; expected auto, dense or onednn")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -39,6 +39,7 @@ class Request:
     adapter_slot: int = 0  # 0: no adapter; i > 0: the i-th loaded LoRA adapter
     on_encoder: bool = False
     stream: bool = False  # a generating request that reports every new token, not only its end
+    handoff: bool = False  # hand it to another engine once its first token is sampled (engine/handoff.py)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

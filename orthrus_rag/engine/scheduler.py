@@ -5,13 +5,19 @@ Order per step: running decodes (one token each), then the residual budget share
 their kind, each chunked to fill what is left (`max_chunk_tokens` caps a chunk).
 Encoder requests (separate bidirectional model) run whole; their tokens cost `encoder_token_weight` each.
 When KV blocks run out, the newest running request is preempted (recompute).
+
+After a step, `update_from_output` is the one place that applies its outcome (vLLM's `update_from_output`,
+nano-vllm's `postprocess`): computed tokens, prefix-cache registration, sampled tokens and stop checks,
+finished requests leaving the queues and freeing their blocks. The engine only turns the result into outputs.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
@@ -38,16 +44,37 @@ class SchedulerOutput:
         return not self.scheduled and not self.encoder
 
 
+@dataclass
+class StepResult:
+    """What one executed step changed, for the engine to turn into outputs."""
+
+    finished: list[Request] = field(default_factory=list)  # finish_reason set, out of the queues, blocks freed
+    streamed: list[Request] = field(default_factory=list)  # unfinished streaming generations with a new token
+    handoffs: list[Request] = field(default_factory=list)  # first token sampled; blocks kept until `release`
+    embeddings: dict[str, Any] = field(default_factory=dict)  # req_id -> pooled result (finished ones)
+    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why pooling failed (finished ones)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 stop_checker: Callable[[Request], str | None] | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        # after a sampled token is appended: a finish reason or None (engine/detokenizer.py); None: never stops
+        self.stop_checker = stop_checker or (lambda req: None)
         self.policy: Policy = make_policy(config.policy, config.min_share)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # started decoder requests, oldest first
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def reserve_blocks(self, req: Request) -> bool:
+        """Blocks for the tokens `req` already has computed elsewhere (a handed-over request), if free."""
+        if not self.block_manager.can_allocate(req, 0):
+            return False
+        self.block_manager.allocate(req, 0)
+        return True
 
     def add_running(self, req: Request) -> None:
         """Admit a decoding request whose KV is already in its blocks (handed over from another engine) straight
@@ -67,6 +94,43 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.block_manager.free(req)
+
+    def finish(self, req: Request, reason: str, now: float, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        req.status, req.finish_reason, req.finished_time = status, reason, now
+        self.remove(req)
+
+    def release(self, req: Request, now: float) -> None:
+        """A handed-off request: the engine has copied its KV; it leaves this engine."""
+        self.finish(req, "handoff", now)
+
+    # ---- after a step ----------------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, output: Any, now: float) -> StepResult:
+        """Apply an executed step (`output`: the runner's RunnerOutput) to the requests it ran."""
+        result = StepResult()
+        for s in sched.scheduled:
+            s.req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_computed(s.req)  # NOTE: before finished requests free their blocks
+        for req in [s.req for s in sched.scheduled] + sched.encoder:
+            rid = req.req_id
+            if rid in output.embeddings or rid in output.errors:
+                if rid in output.errors:
+                    result.errors[rid] = output.errors[rid]
+                else:
+                    result.embeddings[rid] = output.embeddings[rid]
+                self.finish(req, "error" if rid in output.errors else "stop", now)
+                result.finished.append(req)
+            elif rid in output.sampled:
+                req.output_token_ids.append(output.sampled[rid])
+                req.first_token_time = req.first_token_time or now
+                reason = self.stop_checker(req)
+                if reason is not None:
+                    self.finish(req, reason, now)
+                    result.finished.append(req)
+                elif req.handoff:
+                    result.handoffs.append(req)
+                elif req.stream:
+                    result.streamed.append(req)
+        return result
 
     def _encoder_cost(self, req: Request) -> int:
         return max(1, math.ceil(req.num_tokens * self.config.encoder_token_weight))
