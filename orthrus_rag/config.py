@@ -69,12 +69,23 @@ class SchedulerConfig:
     policy: str = "orthrus"  # orthrus | qlen-priority | hetero-fcfs | unified-homo
     min_share: float = 0.1  # orthrus: least share of the residual budget for a non-empty kind
     encoder_token_weight: float = 0.25  # budget cost of one encoder token relative to one decoder token
+    # orthrus: size steps that carry decodes by predicted time (engine/step_cost.py) rather than by tokens alone:
+    # at most `step_time_target` seconds, or (None) the decodes' own time x (1 + step_time_margin); a step
+    # always has room for `min_step_tokens` and never more than max_num_batched_tokens
+    cost_budget: bool = True
+    step_time_target: float | None = None
+    step_time_margin: float = 1.0
+    min_step_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_chunk_tokens < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_chunk_tokens must be positive")
         if self.encoder_token_weight <= 0:
             raise ValueError("encoder_token_weight must be positive")
+        if self.step_time_target is not None and not self.step_time_target > 0:
+            raise ValueError(f"step_time_target must be a positive number of seconds, got {self.step_time_target}")
+        if not self.step_time_margin >= 0 or self.min_step_tokens < 1:
+            raise ValueError("step_time_margin must be >= 0 and min_step_tokens >= 1")
         if not 0.0 <= self.min_share <= 0.5:
             raise ValueError(f"min_share must be in [0, 0.5], got {self.min_share}")
         from orthrus_rag.engine.policies import POLICIES

@@ -17,6 +17,7 @@ from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
 from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.scheduler import Scheduler, SchedulerOutput
+from orthrus_rag.engine.step_cost import StepCostModel
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 KINDS = ("generate", "embed", "encoder")
@@ -88,9 +89,10 @@ class _Before:
 
 
 class FakeEngine:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 cost_model: StepCostModel | None = None) -> None:
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(config, self.block_manager, _stop_at_max_tokens)
+        self.scheduler = Scheduler(config, self.block_manager, _stop_at_max_tokens, cost_model)
         self.requests: list[Request] = []  # every request ever added, in arrival order
         self.admitted: list[Request] = []  # in order of first admission
         self.chunks: dict[str, list[tuple[int, int]]] = {}  # req_id -> [(num_computed_tokens before, n)]
@@ -223,6 +225,7 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
     cost = sum(s.num_new_tokens for s in out.scheduled) + sum(encoder_cost(r, cfg) for r in out.encoder)
     lone_encoder = len(out.encoder) == 1 and not out.scheduled
     assert cost <= cfg.max_num_batched_tokens or lone_encoder, f"budget exceeded: {cost}"
+    assert cost <= eng.scheduler.step_cap or lone_encoder, f"step budget exceeded: {cost}"
     assert len(out.scheduled) + len(out.encoder) <= cfg.max_num_seqs
 
     for s in out.scheduled:

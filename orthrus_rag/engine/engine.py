@@ -28,6 +28,7 @@ from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.runner import ModelRunner
 from orthrus_rag.engine.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.stats import StepStats
+from orthrus_rag.engine.step_cost import StepCostModel, calibrate
 from orthrus_rag.layers.sampler import make_generator
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, RequestMetrics
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -57,9 +58,12 @@ class Engine:
         eos = hf.eos_token_id if hf.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.scheduler = Scheduler(config.scheduler, self.block_manager, partial(
-            update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len))
+            update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
+            StepCostModel())
         self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder,
                                   config.scheduler.max_num_batched_tokens, config.model.attention_backend)
+        if self.scheduler.cost_model is not None:
+            calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)
         self.inputs = InputProcessor(
             tokenizer, hf.vocab_size, max_len, num_blocks * cache.block_size, encoder_tokenizer,
             encoder.config.vocab_size if encoder is not None else 0,
@@ -175,7 +179,8 @@ class Engine:
                                         len(self.scheduler.running), self.block_manager.num_used_blocks)
         for req in [s.req for s in sched.scheduled] + sched.encoder:
             req.first_scheduled_time = req.first_scheduled_time or now
-        done = self.scheduler.update_from_output(sched, self.runner.execute(sched), time.monotonic())
+        result = self.runner.execute(sched)
+        done = self.scheduler.update_from_output(sched, result, time.monotonic(), time.monotonic() - now)
         outputs = [self._output(req, done) for req in done.finished]
         outputs += [self._hand_off(req) for req in done.handoffs]
         outputs += [GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), stream_text(req),

@@ -64,6 +64,12 @@ class Request:
         return self.kind is RequestKind.EMBED
 
     @property
+    def priority(self) -> int:
+        """Lower runs sooner; below 0: latency-critical (params.py)."""
+        params = self.pooling_params if self.is_embed else self.sampling_params
+        return getattr(params, "priority", 0)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

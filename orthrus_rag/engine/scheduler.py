@@ -23,6 +23,7 @@ from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
 from orthrus_rag.engine.policies import Policy, make_policy
 from orthrus_rag.engine.request import Request, RequestStatus
+from orthrus_rag.engine.step_cost import StepCostModel, StepShape
 
 
 @dataclass
@@ -43,6 +44,14 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled and not self.encoder
 
+    def shape(self) -> StepShape:
+        """The step's work, for the cost model (call before the step's tokens count as computed)."""
+        tokens = pairs = 0
+        for s in self.scheduled:
+            tokens += s.num_new_tokens
+            pairs += s.num_new_tokens * (s.req.num_computed_tokens + s.num_new_tokens)
+        return StepShape(tokens, pairs, sum(r.num_tokens for r in self.encoder))
+
 
 @dataclass
 class StepResult:
@@ -57,12 +66,16 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 stop_checker: Callable[[Request], str | None] | None = None) -> None:
+                 stop_checker: Callable[[Request], str | None] | None = None,
+                 cost_model: StepCostModel | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         # after a sampled token is appended: a finish reason or None (engine/detokenizer.py); None: never stops
         self.stop_checker = stop_checker or (lambda req: None)
         self.policy: Policy = make_policy(config.policy, config.min_share)
+        # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
+        self.cost_model = cost_model if config.cost_budget and self.policy.sizes_steps_by_cost else None
+        self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # started decoder requests, oldest first
 
@@ -104,9 +117,13 @@ class Scheduler:
         self.finish(req, "handoff", now)
 
     # ---- after a step ----------------------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, output: Any, now: float) -> StepResult:
-        """Apply an executed step (`output`: the runner's RunnerOutput) to the requests it ran."""
+    def update_from_output(self, sched: SchedulerOutput, output: Any, now: float,
+                           step_time: float | None = None) -> StepResult:
+        """Apply an executed step (`output`: the runner's RunnerOutput, `step_time`: its measured seconds) to
+        the requests it ran."""
         result = StepResult()
+        if self.cost_model is not None and step_time is not None:
+            self.cost_model.observe(sched.shape(), step_time)
         for s in sched.scheduled:
             s.req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed(s.req)  # NOTE: before finished requests free their blocks
@@ -194,6 +211,7 @@ class Scheduler:
     def _schedule(self, allow_embed: bool, allow_generate: bool, reserve: bool = True) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
+        self._cap = cfg.max_num_batched_tokens
         # 1. decodes: one token each, leaving the sequence slots the policy reserves for the other kind
         if allow_generate:
             max_decodes = cfg.max_num_seqs - (self.policy.reserved_seqs(self) if reserve else 0)
@@ -202,6 +220,7 @@ class Scheduler:
                     break
                 if req in self.running:
                     self._schedule_running(req, 1, out)
+        self._cap = self._step_cap(out)
         # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
         allowed = {True: allow_embed, False: allow_generate}
         for lane in self.policy.lanes(self, self._budget_left(out)):
@@ -223,8 +242,27 @@ class Scheduler:
         out.num_batched_tokens += extra
         out.budget_used += extra
 
+    @property
+    def step_cap(self) -> int:
+        """The budget of the step being (or last) scheduled: max_num_batched_tokens, or less when the step-cost
+        model sized a step that carries decodes."""
+        return self._cap
+
     def _budget_left(self, out: SchedulerOutput) -> int:
-        return self.config.max_num_batched_tokens - out.budget_used
+        return self._cap - out.budget_used
+
+    def _step_cap(self, out: SchedulerOutput) -> int:
+        """This step's token budget once its decodes are in: what fits in the step-time target beside them (a
+        kind alone gets whole steps: without decodes the cap is max_num_batched_tokens)."""
+        cfg, cost = self.config, self.cost_model
+        if cost is None or not out.scheduled:
+            return cfg.max_num_batched_tokens
+        shape = out.shape()
+        target = cfg.step_time_target or (1.0 + cfg.step_time_margin) * cost.predict(shape)
+        chunks = [r.num_computed_tokens for r in self.running if not r.is_decoding]
+        keys_per_token = (sum(chunks) / len(chunks) if chunks else 0.0) + cfg.max_chunk_tokens / 2
+        extra = max(cost.tokens_within(shape, target, keys_per_token), cfg.min_step_tokens)
+        return min(cfg.max_num_batched_tokens, out.budget_used + extra)
 
     def _fill(self, candidates: list[Request], cap: int | None, out: SchedulerOutput) -> None:
         """Chunk candidates in order into at most `cap` budget tokens. In-flight requests continue (and may
