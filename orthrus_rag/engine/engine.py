@@ -61,7 +61,8 @@ class Engine:
             update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
             StepCostModel())
         self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder,
-                                  config.scheduler.max_num_batched_tokens, config.model.attention_backend)
+                                  config.scheduler.max_num_batched_tokens, config.model.attention_backend,
+                                  config.model.cuda_graphs, self.max_seq_len)
         if self.scheduler.cost_model is not None:
             calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)
         self.inputs = InputProcessor(

@@ -59,9 +59,9 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
 
-    @property
-    def is_embed(self) -> bool:
-        return self.kind is RequestKind.EMBED
+    def __post_init__(self) -> None:
+        # NOTE: a plain attribute, not a property: the scheduler asks it thousands of times per step
+        self.is_embed: bool = self.kind is RequestKind.EMBED
 
     @property
     def priority(self) -> int:

@@ -15,7 +15,8 @@ import torch
 
 from orthrus_rag.engine.request import Request
 from orthrus_rag.engine.scheduler import SchedulerOutput
-from orthrus_rag.layers.attention import build_metadata, select_backend
+from orthrus_rag.engine.cuda_graphs import DecodeGraphs
+from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, select_backend
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
 from orthrus_rag.layers.sampler import Sampler
@@ -37,7 +38,7 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, encoder: torch.nn.Module | None = None, max_num_batched_tokens: int = 2048,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0) -> None:
         self.model = model
         self.encoder = encoder
         self.block_size = block_size
@@ -55,6 +56,10 @@ class ModelRunner:
             (torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device),
              torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
             for layer in model.attention_layers]
+        self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
+        if cuda_graphs and device.type == "cuda":
+            self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.windows, self.num_slots,
+                                              min(max_num_batched_tokens, 512), max_seq_len, device)
 
     def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of `req` (vectorised: contexts can be thousands long)."""
@@ -79,9 +84,9 @@ class ModelRunner:
             k_cache[slots] = k[i].to(device=self.device, dtype=k_cache.dtype)
             v_cache[slots] = v[i].to(device=self.device, dtype=v_cache.dtype)
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext]:
-        """The flat batch's token ids and the step's forward context (attention metadata planned once for every
-        layer, LoRA rows); host work per request is list appends only."""
+    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list]:
+        """The flat batch's token ids, the step's attention metadata and LoRA rows; host work per request is list
+        appends only."""
         ids: list[int] = []
         query_lens, context_lens, tables, keeps = [], [], [], []
         lora_rows: dict[int, list[range]] = defaultdict(list)
@@ -99,11 +104,19 @@ class ModelRunner:
             raise ValueError(f"a step of {len(ids)} tokens exceeds the runner's {self.max_num_batched_tokens} "
                              "(max_num_batched_tokens)")
         meta = build_metadata(query_lens, context_lens, tables, keeps, self.block_size, self.num_slots, self.device)
+        lora = [(slot, torch.tensor([r for rng in ranges for r in rng], dtype=torch.long, device=self.device))
+                for slot, ranges in lora_rows.items()]
+        return torch.tensor(ids, dtype=torch.long, device=self.device), meta, lora
+
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, lora: list) -> torch.Tensor:
+        """One decoder forward: a captured decode graph where one fits, else eager with the attention backend's
+        plan (built once here, reused by every layer)."""
+        if self.decode_graphs is not None and self.decode_graphs.eligible(meta, bool(lora)):
+            return self.decode_graphs.run(input_ids, meta)
         meta.plan = self.attn_backend.plan(meta, self.windows)
-        ctx = ForwardContext(attn=meta, attn_backend=self.attn_backend, kv_caches=self.kv_caches, lora_rows=[
-            (slot, torch.tensor([r for rng in ranges for r in rng], dtype=torch.long, device=self.device))
-            for slot, ranges in lora_rows.items()])
-        return torch.tensor(ids, dtype=torch.long, device=self.device), ctx
+        ctx = ForwardContext(attn=meta, attn_backend=self.attn_backend, kv_caches=self.kv_caches, lora_rows=lora)
+        with forward_context(ctx):
+            return self.model(input_ids, meta.positions)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -115,10 +128,9 @@ class ModelRunner:
         return out
 
     def _run_decoder(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
-        input_ids, ctx = self._prepare(sched)
-        positions = ctx.attn.positions
-        with forward_context(ctx):
-            hidden = self.model(input_ids, positions)
+        input_ids, meta, lora = self._prepare(sched)
+        positions = meta.positions
+        hidden = self._forward(input_ids, meta, lora)
         out.num_decoder_forwards += 1
         # generation rows: the last row of every request whose known tokens are now all computed
         sample_rows, sample_reqs = [], []

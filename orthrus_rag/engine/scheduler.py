@@ -76,6 +76,7 @@ class Scheduler:
         # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
         self.cost_model = cost_model if config.cost_budget and self.policy.sizes_steps_by_cost else None
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
+        self._pending: dict[bool, list[Request]] | None = None  # pending() snapshots while a step is scheduled
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # started decoder requests, oldest first
 
@@ -187,8 +188,13 @@ class Scheduler:
     def pending(self, embed: bool) -> list[Request]:
         """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission
         order), then waiting ones (arrival order; preempted requests were put back at the front)."""
+        if self._pending is not None and embed in self._pending:
+            return self._pending[embed]  # NOTE: one snapshot per step: policies ask several times
         inflight = [r for r in self.running if r.is_embed == embed and not r.is_decoding]
-        return inflight + [r for r in self.waiting if r.is_embed == embed]
+        pending = inflight + [r for r in self.waiting if r.is_embed == embed]
+        if self._pending is not None:
+            self._pending[embed] = pending
+        return pending
 
     def remaining_cost(self, reqs: list[Request]) -> int:
         """Budget tokens `reqs` still need (encoder tokens weighted by their relative cost)."""
@@ -196,6 +202,13 @@ class Scheduler:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._pending = {}
+        try:
+            return self._schedule_step()
+        finally:
+            self._pending = None
+
+    def _schedule_step(self) -> SchedulerOutput:
         allow_embed, allow_generate = self.policy.step_kinds(self)
         out = self._schedule(allow_embed, allow_generate)
         if out.is_empty and self.has_unfinished():
@@ -211,6 +224,7 @@ class Scheduler:
     def _schedule(self, allow_embed: bool, allow_generate: bool, reserve: bool = True) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
+        self._pending = {}
         self._cap = cfg.max_num_batched_tokens
         # 1. decodes: one token each, leaving the sequence slots the policy reserves for the other kind
         if allow_generate:
@@ -221,6 +235,7 @@ class Scheduler:
                 if req in self.running:
                     self._schedule_running(req, 1, out)
         self._cap = self._step_cap(out)
+        self._pending = {}  # decodes may have preempted: the lanes see the queues as they are now
         # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
         allowed = {True: allow_embed, False: allow_generate}
         for lane in self.policy.lanes(self, self._budget_left(out)):
