@@ -26,6 +26,7 @@ class ModelConfig:
     # attention: "auto" (varlen flash on CUDA where torch has it, else grouped SDPA), "grouped", "reference"
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # on CUDA: decode-only steps replayed as CUDA graphs (engine/cuda_graphs.py)
+    compile_elementwise: bool = True  # on CUDA: rotary and SiLU-mul as torch.compile'd fused kernels
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

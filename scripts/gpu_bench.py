@@ -249,6 +249,30 @@ def mixed(args: argparse.Namespace, dev: torch.device, ours: CausalLM, hf: Llama
                 hf.model(torch.tensor(texts[i:i + 64], device=dev)).last_hidden_state.float().mean(1)
 
     emit(section="mixed", system="transformers (generate, then embed)", seconds=timed(dev, hf_both))
+    if args.dedicated:
+        dedicated(args, dev, hf, tokenizer, dtype, gens, texts, sp, pp)
+
+
+def dedicated(args: argparse.Namespace, dev: torch.device, hf: LlamaForCausalLM, tokenizer: Any, dtype: str,
+              gens: list, texts: list, sp: SamplingParams, pp: PoolingParams) -> None:
+    """The paper's task-split baseline on one device: a generation and an embedding engine process, each with
+    its own copy of the model (written to a temporary checkpoint) and half the KV cache."""
+    import tempfile
+
+    from orthrus_rag.engine.deploy import DedicatedDeployment, EngineSpec
+
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_model_") as folder:
+        hf.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        spec = EngineSpec(folder, overrides={
+            "dtype": dtype, "device": args.device, "kv_cache_gib": args.kv_cache_gib / 2,
+            "max_num_batched_tokens": args.budget, "max_chunk_tokens": min(args.budget, 2048), "max_num_seqs": 256})
+        with DedicatedDeployment(spec, threads=(1, 1)) as deployment:
+            deployment.run(prompts=gens[:4], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+                           texts=texts[:4], pooling_params=pp)
+            seconds = timed(dev, lambda: deployment.run(prompts=gens, sampling_params=sp, texts=texts,
+                                                        pooling_params=pp))
+    emit(section="mixed", system="dedicated (two processes, one device)", seconds=seconds)
 
 
 # ---- report -----------------------------------------------------------------------------------------------------
@@ -282,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--mixed-embeddings", type=int, default=512)
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="memory bandwidth for the decode floor (H200: 4.8)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 GEMM peak measured on the device")
+    ap.add_argument("--dedicated", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the dedicated baseline (two engine processes sharing the device)")
     ap.add_argument("--out", default="runs/gpu_bench")
     args = ap.parse_args(argv)
     if args.tokenizer is None:

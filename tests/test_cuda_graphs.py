@@ -10,7 +10,7 @@ from transformers import LlamaConfig, MistralConfig
 
 from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
 from orthrus_rag.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, _bucket, _width
-from orthrus_rag.models.llama import CausalLM
+from orthrus_rag.models.llama import CausalLM, apply_rotary
 
 VOCAB = 128
 
@@ -64,3 +64,15 @@ def test_bucketed_decode_gives_the_same_tokens(sliding):
 def test_buckets():
     assert [_bucket(n) for n in (1, 3, 17, 64, 65)] == [1, 4, 24, 64, 96]
     assert [_width(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 512]
+
+
+def test_compiled_elementwise_kernels_give_the_same_tokens():
+    """The fused kernels the engine uses on CUDA (torch.compile; C++ here) change no token."""
+    model = _model(sliding=False)
+    prompts = [[5, 9, 33, 2], list(range(40, 70))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in _engine(model).generate(prompts, params)]
+    model.compile_elementwise()
+    assert model.model.layers[0].self_attn.rotary is not apply_rotary  # the compiled kernel is in use
+    got = [o.token_ids for o in _engine(model).generate(prompts, params)]
+    assert got == want

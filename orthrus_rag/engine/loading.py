@@ -40,6 +40,8 @@ def build_engine(config: EngineConfig) -> Engine:
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
+    if mc.compile_elementwise and torch.device(mc.device).type == "cuda":
+        model.compile_elementwise()
     if _use_onednn(mc.linear_kernel, model, mc.torch_dtype, mc.device):
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:
