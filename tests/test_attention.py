@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orthrus_rag.layers.attention import build_metadata, grouped, key_slots, reference, select_backend, varlen
+from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 
 BLOCK = 4
 NUM_BLOCKS = 96
@@ -70,10 +71,27 @@ def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, 
     return out
 
 
-@pytest.fixture(params=["grouped", "varlen-gqa", "varlen-expand"])
+class _DecodeKernel:
+    """The grouped backend with its decode groups on the C++ kernel (CPU, fp32)."""
+
+    @staticmethod
+    def plan(meta, windows):
+        meta.decode_kernel = True
+        plan = grouped.plan(meta, windows)
+        assert any(g.lengths is not None for g in plan.groups) == (1 in meta.query_lens)
+        return plan
+
+    forward = staticmethod(grouped.forward)
+
+
+@pytest.fixture(params=["grouped", "grouped-decode-kernel", "varlen-gqa", "varlen-expand"])
 def backend(request, monkeypatch):
     if request.param == "grouped":
         return grouped
+    if request.param == "grouped-decode-kernel":
+        if not decode_kernel_available():
+            pytest.fail("the C++ decode kernel did not build (a compiler and ninja are installed with the project)")
+        return _DecodeKernel
     fake = _fake_varlen_attn
     if request.param == "varlen-expand":  # torch 2.11's signature: no enable_gqa, heads expanded by the backend
         def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):  # noqa: F811

@@ -62,7 +62,7 @@ class Engine:
             StepCostModel())
         self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder,
                                   config.scheduler.max_num_batched_tokens, config.model.attention_backend,
-                                  config.model.cuda_graphs, self.max_seq_len)
+                                  config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel)
         if self.scheduler.cost_model is not None:
             calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)
         self.inputs = InputProcessor(

@@ -17,6 +17,7 @@ from orthrus_rag.engine.request import Request
 from orthrus_rag.engine.scheduler import SchedulerOutput
 from orthrus_rag.engine.cuda_graphs import DecodeGraphs
 from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, select_backend
+from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
 from orthrus_rag.layers.sampler import Sampler
@@ -38,7 +39,8 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, encoder: torch.nn.Module | None = None, max_num_batched_tokens: int = 2048,
-                 attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0) -> None:
+                 attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0,
+                 cpu_decode_kernel: bool = False) -> None:
         self.model = model
         self.encoder = encoder
         self.block_size = block_size
@@ -56,6 +58,9 @@ class ModelRunner:
             (torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device),
              torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
             for layer in model.attention_layers]
+        # CPU, fp32: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
+        self.decode_kernel = (cpu_decode_kernel and device.type == "cpu" and dtype == torch.float32
+                              and decode_kernel_available())
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
         if cuda_graphs and device.type == "cuda":
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.windows, self.num_slots,
@@ -104,6 +109,7 @@ class ModelRunner:
             raise ValueError(f"a step of {len(ids)} tokens exceeds the runner's {self.max_num_batched_tokens} "
                              "(max_num_batched_tokens)")
         meta = build_metadata(query_lens, context_lens, tables, keeps, self.block_size, self.num_slots, self.device)
+        meta.decode_kernel = self.decode_kernel
         lora = [(slot, torch.tensor([r for rng in ranges for r in rng], dtype=torch.long, device=self.device))
                 for slot, ranges in lora_rows.items()]
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta, lora

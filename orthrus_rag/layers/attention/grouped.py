@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from orthrus_rag.layers.attention.cpu_kernels import decode_attention, decode_kernel_available
 from orthrus_rag.layers.attention.metadata import AttentionMetadata, key_slots
 
 # Cost of one group's attention in one layer, in microseconds, for planning (measured on a Xeon core, fp32,
@@ -44,6 +45,7 @@ class Group:
     valid: torch.Tensor | None  # positions of valid outputs in the padded [G * n_max] layout
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> mask or None
     causal: bool = False  # no cached keys and equal lengths: SDPA's own causal mask, no mask tensor
+    lengths: torch.Tensor | None = None  # decode groups on the C++ kernel: keys per sequence (int64)
 
 
 @dataclass
@@ -86,6 +88,9 @@ def _group(meta: AttentionMetadata, seqs: list[int], windows: set[int | None]) -
     valid = (j < n_t).flatten().nonzero().flatten() if padded else None
     out_rows = q_rows.index_select(0, valid) if padded else None
     group = Group(seqs, q_rows, key_slots(meta, seqs, width).flatten(), n_max, width, out_rows, valid)
+    if n_max == 1 and meta.decode_kernel and q_rows.device.type == "cpu" and decode_kernel_available():
+        group.lengths = torch.tensor([c + 1 for c in ctx], dtype=torch.long)
+        return group  # the kernel reads the paged cache itself: no masks
     if not any(ctx) and not padded and windows == {None}:
         group.causal = n_max > 1  # equal-length chunks with no cached keys (a decode of width 1 needs no mask)
         group.masks[None] = None
@@ -132,6 +137,9 @@ def _attend(g: Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             window: int | None, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """One group's attention; [G * n_max, H, D] in the padded row layout."""
     size = len(g.seqs)
+    if g.lengths is not None:
+        return decode_attention(q.index_select(0, g.q_rows), k_cache, v_cache, g.key_slots.view(size, g.width),
+                                g.lengths, scale, window)
     keys = k_cache.index_select(0, g.key_slots).view(size, g.width, num_kv_heads, head_dim).transpose(1, 2)
     values = v_cache.index_select(0, g.key_slots).view(size, g.width, num_kv_heads, head_dim).transpose(1, 2)
     mask = g.masks[window] if window in g.masks else g.masks[None]

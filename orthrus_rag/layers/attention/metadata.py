@@ -32,6 +32,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64 on the device: each row's position in its sequence (rotary input)
     block_size: int
     plan: Any = field(default=None)  # the backend's per-step precomputation (index tensors, masks)
+    decode_kernel: bool = False  # CPU: decodes through the C++ kernel where it is built (attention/cpu_kernels.py)
 
     @property
     def num_tokens(self) -> int:
