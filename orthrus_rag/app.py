@@ -119,7 +119,12 @@ def build_pipeline(cfg: Any, backend: Any, retriever: Any):  # -> IterRetGen
     from orthrus_rag.pipelines import IterRetGen, default_concurrency
 
     p = cfg.pipeline
+    admitted = default_concurrency(backend.max_in_flight)
     concurrency = p.max_concurrency or default_concurrency(backend.max_in_flight, cfg.engine.max_num_seqs)
+    if concurrency > admitted:  # NOTE: more would fail questions with EngineQueueFull; let them wait instead
+        logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
+                       concurrency, backend.name, admitted, admitted)
+        concurrency = admitted
     return IterRetGen(backend.generator, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
                       sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
                       chat_template=backend.tokenizer if p.chat_template else None, max_concurrency=concurrency,
@@ -186,6 +191,9 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
 
     examples = load_examples(cfg)
     remaining = session.remaining(examples)
+    if not remaining:
+        logger.info("every question of %s is recorded already", session.folder)
+        return
     if closing.backend is None:
         closing.backend = build_backend(cfg)
     backend = session.backend = closing.backend
@@ -198,6 +206,7 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     session.labels = run_labels(cfg, backend, pipeline.max_concurrency)
     backend.observe_steps(session.observe)
     backend.start()
+    session.begin()
 
     async def answer() -> None:
         try:

@@ -77,6 +77,10 @@ def _hydra(command: str, argv: list[str]) -> int:
         started.append(True)
         codes.append(_job(command, cfg))
 
+    resume = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("resume=")), None)
+    if resume not in (None, "null") and not Path(resume).is_dir():  # NOTE: before Hydra creates it as its folder
+        print(f"error: resume: no such run folder: {resume}", file=sys.stderr)
+        return EXIT_CONFIG
     sys.argv, saved = [f"orthrus-rag {command}", *_resume_overrides(argv)], sys.argv
     try:
         entry()
@@ -91,7 +95,8 @@ def _hydra(command: str, argv: list[str]) -> int:
 
 def _resume_overrides(argv: list[str]) -> list[str]:
     """A resumed run writes into the folder it continues, and keeps the Hydra files of its first session there."""
-    if any(a.startswith("resume=") for a in argv) and not any(a.startswith("hydra.run.dir=") for a in argv):
+    resume = any(a.startswith("resume=") and a != "resume=null" for a in argv)
+    if resume and not any(a.startswith("hydra.run.dir=") for a in argv):
         return [*argv, "hydra.run.dir=${resume}", "hydra.output_subdir=null"]
     return argv
 
@@ -110,6 +115,8 @@ def _job(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
         code, message = described
         logging.getLogger(__name__).debug("stopped", exc_info=True)
         print(message, file=sys.stderr)
+        if isinstance(exc, KeyboardInterrupt):  # NOTE: stop a sweep too, not just this job
+            raise SystemExit(code) from None
         return code
 
 

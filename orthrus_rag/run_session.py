@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -82,11 +82,13 @@ class RunSession:
             self.steps.add_row(row)
         summary = self.store.read_text(SUMMARY)
         if summary is not None:  # NOTE: its last session may lag its records by up to checkpoint_every questions
-            self.previous_sessions = json.loads(summary).get("sessions", [])
+            previous = json.loads(summary)
+            self.previous_sessions = previous.get("sessions", [])
+            self.labels = previous.get("config", {})  # until the app sets this session's
         logger.info("resuming %s: %d questions recorded, session %d", self.folder, len(self.done), self.session)
 
     # ---- the questions left -----------------------------------------------------------------------------
-    def remaining(self, examples: Sequence[QAExample]) -> Iterator[tuple[int, QAExample]]:
+    def remaining(self, examples: Sequence[QAExample]) -> list[tuple[int, QAExample]]:
         """(index, example) of the questions not yet recorded; checks the recorded ones against the dataset."""
         self.num_total = len(examples)
         for index, qid in self.done.items():
@@ -94,9 +96,13 @@ class RunSession:
                 there = examples[index].id if 0 <= index < len(examples) else "nothing"
                 raise ValueError(f"resume: {self.folder} recorded question {qid!r} at position {index}, but the "
                                  f"dataset has {there} there (another dataset file or order?)")
-        return ((i, ex) for i, ex in enumerate(examples) if i not in self.done)
+        return [(i, ex) for i, ex in enumerate(examples) if i not in self.done]
 
     # ---- while the run goes -----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The pipeline starts now (records' `finished_s`, and so the run's wall time, count from here)."""
+        self.started = time.perf_counter()
+
     def observe(self, stats: StepStats) -> None:
         """Engine step observer (the engine's thread): totals, and a steps.jsonl row."""
         self.steps.add(stats)

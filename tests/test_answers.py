@@ -42,6 +42,25 @@ def test_extracts_the_final_answer(generation, answer):
     assert extract_answer(generation) == answer
 
 
+@pytest.mark.parametrize("question,generation,answer", [
+    # SmolLM2-135M-Instruct's own generations on 2WikiMultihopQA dev questions (this project's prompt)
+    ("Are North Marion High School (Oregon) and Seoul High School both located in the same country?",
+     "No, North Marion High School (Oregon) and Seoul High School (Kansas) are not both located in the same "
+     "country. They are both located in the United States.", "no"),
+    ("When did John V, Prince Of Anhalt-Zerbst's father die?",
+     "The answer is 17 November 1534. John V, Prince of Anhalt-Zerbst's father died on 17 November 1534.",
+     "17 November 1534"),
+    ("Where was the director of film Ronnie Rocket born?",
+     "The director of film Ronnie Rocket was born in London.",
+     "The director of film Ronnie Rocket was born in London"),
+    ("Which film has the director who was born later, El Extraño Viaje or Love In Pawn?",
+     "El extraño viaje is a 1964 Spanish black drama film directed by Fernando Fernán Gómez.",
+     "El extraño viaje is a 1964 Spanish black drama film directed by Fernando Fernán Gómez"),
+])
+def test_real_small_model_outputs(question, generation, answer):
+    assert extract_answer(generation, question) == answer
+
+
 def test_reports_whether_the_prompt_phrase_was_there():
     assert parse_answer("X. So the answer is Y.").found
     assert not parse_answer("The answer is Y.").found

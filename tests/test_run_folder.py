@@ -112,6 +112,7 @@ def test_cli_exit_codes_and_failures_named(tmp_path, monkeypatch, capsys):
     assert "1 of 5 questions failed (1 TimeoutError)" in err and "Traceback" not in err
     assert main(["run", *base, f"dataset.path={ok}", "pipeline.max_concurrency=0", f"run_dir={tmp_path / 'c'}"]) == 2
     assert main(["run", *base, "retriever.kk=3", f"run_dir={tmp_path / 'd'}"]) == 2  # Hydra's own config error
+    assert main(["run", f"resume={tmp_path / 'missing'}"]) == 2 and not (tmp_path / "missing").exists()
     # an existing run is never written over
     assert main(["run", *base, f"dataset.path={ok}", f"run_dir={tmp_path / 'a'}"]) == 2
     assert "already holds a run" in capsys.readouterr().err
@@ -252,3 +253,24 @@ def test_sweep_writes_one_run_folder_per_job_and_summarize_tables_them(tmp_path,
     assert table[2].startswith("| 0 | orthrus | flat k=5 | 2wiki |") and "| 0.333 |" in table[2]
     assert table[3].startswith("| 1 | hetero-fcfs |")
     assert main(["summarize", str(tmp_path / "nothing")]) == 2
+
+
+def test_concurrency_above_what_the_engine_admits_waits_instead_of_failing(tmp_path):
+    data = write_dataset(tmp_path / "d.jsonl", 200)
+    backend = fake_backend(max_pending=8)
+    summary = app.run(_cfg(data, tmp_path / "run", "pipeline.max_concurrency=100"), backend=backend)
+    assert summary["num_failed"] == 0 and summary["config"]["max_concurrency"] == 8
+    assert backend.engine.max_requests <= 8
+
+
+def test_resuming_a_finished_run_loads_nothing_and_keeps_its_summary(tmp_path, monkeypatch):
+    data = write_dataset(tmp_path / "d.jsonl", 30)
+    run = tmp_path / "run"
+    first = app.run(_cfg(data, run), backend=fake_backend())
+
+    def no_backend(cfg):
+        raise AssertionError("a finished run needs no engine")
+
+    monkeypatch.setattr(app, "build_backend", no_backend)
+    again = app.run(_cfg(data, run, f"resume={run}"))
+    assert _strip(again) == _strip(first) and again["config"] == first["config"]
