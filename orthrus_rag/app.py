@@ -4,9 +4,8 @@ directly; the Hydra entry points in cli.py are thin)."""
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,10 @@ def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:
             PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True, priority=-1))
 
 
-def build_retriever(cfg: Any, backend: Any, corpus: list, index_dir: Path | None):  # -> DenseRetriever
+def build_retriever(cfg: Any, backend: Any, corpus: list, index_dir: Path | None,
+                    reuse: bool = False):  # -> DenseRetriever
+    """The configured index: `retriever.index_dir` loaded; on a resumed run the one saved in its folder (rebuilt
+    if that is missing or unreadable); else built over `corpus` and saved to `index_dir`."""
     from orthrus_rag.retrievers import DenseRetriever
 
     doc, query = _pooling(cfg, backend)
@@ -80,6 +82,15 @@ def build_retriever(cfg: Any, backend: Any, corpus: list, index_dir: Path | None
     if r.index_dir is not None:
         logger.info("loading index from %s", r.index_dir)
         return DenseRetriever.load(r.index_dir, embedder)
+    if reuse and index_dir is not None and index_dir.is_dir():
+        try:
+            retriever = DenseRetriever.load(index_dir, embedder)
+            if [p.title for p in retriever.passages] == [p.title for p in corpus]:
+                logger.info("reusing the index saved in %s", index_dir)
+                return retriever
+            logger.warning("the index in %s holds other passages; rebuilding it", index_dir)
+        except ValueError as exc:  # NOTE: e.g. the previous session was killed while saving it
+            logger.warning("cannot reuse the index in %s (%s); rebuilding it", index_dir, exc)
     retriever = DenseRetriever(embedder, index_type=r.index_type, nlist=r.nlist, nprobe=r.nprobe, hnsw_m=r.hnsw_m)
     logger.info("embedding %d passages into a %s index", len(corpus), r.index_type)
     retriever.build(corpus)
@@ -104,60 +115,117 @@ def index(cfg: Any) -> Path:
     return out
 
 
+def build_pipeline(cfg: Any, backend: Any, retriever: Any):  # -> IterRetGen
+    from orthrus_rag.params import SamplingParams
+    from orthrus_rag.pipelines import IterRetGen, default_concurrency
+
+    p = cfg.pipeline
+    admitted = default_concurrency(backend.max_in_flight)
+    concurrency = p.max_concurrency or default_concurrency(backend.max_in_flight, cfg.engine.max_num_seqs)
+    if concurrency > admitted:  # NOTE: more would fail questions with EngineQueueFull; let them wait instead
+        logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
+                       concurrency, backend.name, admitted, admitted)
+        concurrency = admitted
+    return IterRetGen(backend.generator, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
+                      sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
+                      chat_template=backend.tokenizer if p.chat_template else None, max_concurrency=concurrency,
+                      question_timeout_s=p.question_timeout_s)
+
+
+def _iterations(cfg: Any) -> int:
+    return 1 if cfg.pipeline.name == "standard_rag" else cfg.pipeline.iterations
+
+
+def run_labels(cfg: Any, backend: Any, max_concurrency: int) -> dict[str, Any]:
+    """What a run is, for its summary and for `orthrus-rag summarize` tables."""
+    d = cfg.dataset
+    return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "model": cfg.model.name,
+            "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy, "serving": backend.name,
+            "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "index_type": cfg.retriever.index_type,
+            "k": cfg.retriever.k, "max_concurrency": max_concurrency}
+
+
+class _Closing:
+    """Closes the backend exactly once: inside the run's event loop, or afterwards on a failure."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend, self.closed = backend, False
+
+    async def aclose(self) -> None:
+        if self.backend is not None and not self.closed:
+            self.closed = True
+            await self.backend.aclose()
+
+    def close(self) -> None:
+        if self.backend is not None and not self.closed:
+            asyncio.run(self.aclose())
+
+
 def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
-    """Answer a dataset's questions with the configured pipeline; write records and a summary to run_dir.
+    """Answer a dataset's questions with the configured pipeline, recording each into the run folder as it
+    finishes (`run_dir`, or the folder `resume` names: its recorded questions are skipped); returns the summary.
 
     `backend`: what serves the run (default: built from `cfg.engine`); it is closed at the end either way."""
-    from orthrus_rag.data import build_corpus
-    from orthrus_rag.params import SamplingParams
-    from orthrus_rag.pipelines import IterRetGen, summarize, write_run
+    from orthrus_rag.run_session import RunSession
 
-    closed = False
-
-    async def _close() -> None:
-        nonlocal closed
-        if backend is not None and not closed:
-            closed = True
-            await backend.aclose()
-
+    closing = _Closing(backend)
+    session = None
     try:
         validate(cfg)  # before any model loads
-        examples = load_examples(cfg)
-        run_dir = Path(cfg.run_dir)
-        backend = backend if backend is not None else build_backend(cfg)
-        retriever = None
-        if cfg.pipeline.name != "no_retrieval":
-            # NOTE: built before the async loop starts, so the corpus embeds with blocking calls
-            retriever = build_retriever(cfg, backend, build_corpus(examples), run_dir / "index")
-        p = cfg.pipeline
-        iterations = 1 if p.name == "standard_rag" else p.iterations
-        pipeline = IterRetGen(backend.generator, retriever, iterations=iterations, k=cfg.retriever.k,
-                              sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
-                              chat_template=backend.tokenizer if p.chat_template else None,
-                              max_concurrency=p.max_concurrency)
-        backend.start()
-
-        async def _main() -> tuple[list, float]:
-            try:
-                start = time.perf_counter()
-                records = await pipeline.run(examples, progress=cfg.progress)
-                return records, time.perf_counter() - start  # NOTE: not counting the shutdown of workers
-            finally:
-                await _close()
-
-        records, wall = asyncio.run(_main())
+        session = RunSession(cfg.resume or cfg.run_dir, cfg)
+        _run_session(cfg, session, closing)
+        summary = session.summary()
+        session.store.checkpoint(summary)
+        return summary
+    except BaseException:
+        if session is not None:
+            _save_partial(session)
+        raise
     finally:
-        if not closed:  # a failure before the pipeline ran: release workers and peers too
-            asyncio.run(_close())
-    summary = summarize(records, wall)
-    stats = backend.stats()
-    if stats is not None:
-        summary["engine"] = stats
-    summary["config"] = {"dataset": cfg.dataset.name, "model": cfg.model.name,
-                         "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy,
-                         "serving": backend.name, "pipeline": p.name, "iterations": iterations,
-                         "k": cfg.retriever.k}
-    write_run(run_dir, records, summary)
-    if hasattr(backend, "steps"):
-        (run_dir / "steps.jsonl").write_text("".join(json.dumps(vars(s)) + "\n" for s in backend.steps()))
-    return summary
+        closing.close()
+        if session is not None:
+            session.close()
+
+
+def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
+    from orthrus_rag.data import build_corpus
+
+    examples = load_examples(cfg)
+    remaining = session.remaining(examples)
+    if not remaining:
+        logger.info("every question of %s is recorded already", session.folder)
+        return
+    if closing.backend is None:
+        closing.backend = build_backend(cfg)
+    backend = session.backend = closing.backend
+    retriever = None
+    if cfg.pipeline.name != "no_retrieval":
+        # NOTE: built before the async loop starts, so the corpus embeds with blocking calls
+        retriever = build_retriever(cfg, backend, build_corpus(examples), session.folder / "index",
+                                    reuse=cfg.resume is not None)
+    pipeline = build_pipeline(cfg, backend, retriever)
+    session.labels = run_labels(cfg, backend, pipeline.max_concurrency)
+    backend.observe_steps(session.observe)
+    backend.start()
+    session.begin()
+
+    async def answer() -> None:
+        try:
+            async with contextlib.aclosing(pipeline.stream(remaining)) as records:
+                await session.consume(records)
+        finally:
+            await closing.aclose()
+
+    asyncio.run(answer())
+
+
+def _save_partial(session: Any) -> None:
+    """After a failure, keep a summary of what was recorded (if the folder still takes one)."""
+    from orthrus_rag.pipelines.run_store import RunStoreError
+
+    if session.num_new == 0:
+        return
+    try:
+        session.checkpoint()
+    except RunStoreError as exc:
+        logger.warning("no summary written: %s", exc)

@@ -71,7 +71,8 @@ class PipelineConf:
     iterations: int = 2
     max_tokens: int = 96
     temperature: float = 0.0
-    max_concurrency: int | None = None  # None: every question at once
+    max_concurrency: int | None = None  # questions in flight; None: sized from the engine (see default_concurrency)
+    question_timeout_s: float | None = None  # a question unanswered this long is recorded as failed; None: no limit
     chat_template: bool = True
 
 
@@ -82,9 +83,18 @@ class AppConf:
     engine: EngineConf = field(default_factory=EngineConf)
     retriever: RetrieverConf = field(default_factory=RetrieverConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
+    # the run's folder (records.jsonl, summary.json, config.yaml, steps.jsonl, index/); a multirun: the sweep's
+    # folder, one subfolder per job
     run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"
+    resume: str | None = None  # a run folder to continue: its recorded questions are skipped
+    checkpoint_every: int = 100  # questions between rewrites of summary.json (and fsyncs of records.jsonl)
     seed: int = 0
     progress: bool = True
+
+
+# settings that change how a run goes, not what it computes: a resumed run may change them
+OPERATIONAL_KEYS = ("run_dir", "resume", "progress", "checkpoint_every", "pipeline.max_concurrency",
+                    "pipeline.question_timeout_s", "model.num_threads", "engine.max_pending")
 
 
 def register_configs() -> None:
@@ -129,3 +139,54 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"pipeline.max_tokens must be at least 1, got {cfg.pipeline.max_tokens}")
     if cfg.model.embedding_adapter is not None and not Path(cfg.model.embedding_adapter).is_dir():
         raise ValueError(f"model.embedding_adapter: no such folder: {cfg.model.embedding_adapter}")
+    _check_run_settings(cfg)
+
+
+def _check_run_settings(cfg: Any) -> None:
+    p = cfg.pipeline
+    if p.max_concurrency is not None and p.max_concurrency < 1:
+        raise ValueError(f"pipeline.max_concurrency must be at least 1 (or null: sized from the engine), "
+                         f"got {p.max_concurrency}")
+    if p.question_timeout_s is not None and p.question_timeout_s <= 0:
+        raise ValueError("pipeline.question_timeout_s must be positive (or null: no limit), "
+                         f"got {p.question_timeout_s}")
+    if cfg.checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be at least 1, got {cfg.checkpoint_every}")
+    if cfg.engine.max_pending < 1:
+        raise ValueError(f"engine.max_pending must be at least 1, got {cfg.engine.max_pending}")
+    if cfg.resume is not None and not Path(cfg.resume).is_dir():
+        raise ValueError(f"resume: no such run folder: {cfg.resume}")
+
+
+# ---- resume: the saved config against the current one ----------------------------------------------------
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _plain(cfg: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def config_diff(saved: Any, current: Any) -> list[str]:
+    """`key: saved -> current` for every setting that differs, the operational ones aside."""
+    old, new = _flatten(_plain(saved)), _flatten(_plain(current))
+    keys = sorted((set(old) | set(new)) - set(OPERATIONAL_KEYS))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def resumed_config(saved_yaml: str, current: Any, overridden: set[str]) -> Any:
+    """The config a run was started with (its saved config.yaml), with `run_dir`, `resume` and the operational
+    settings in `overridden` (those given on the command line) taken from `current`."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(AppConf), OmegaConf.create(saved_yaml))
+    for key in {"run_dir", "resume"} | (set(OPERATIONAL_KEYS) & overridden):
+        OmegaConf.update(cfg, key, OmegaConf.select(current, key), merge=False)
+    return cfg

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from orthrus_rag.params import PoolingParams
@@ -31,6 +32,15 @@ class Backend:
     def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
         raise NotImplementedError
 
+    @property
+    def max_in_flight(self) -> int:
+        """Requests it admits at once without refusing any (what a pipeline's concurrency is sized from)."""
+        raise NotImplementedError
+
+    def observe_steps(self, observer: Callable[[Any], None]) -> bool:
+        """Call `observer` with every engine step's `StepStats` until `aclose`; False where steps are not seen."""
+        return False
+
     def start(self) -> None:
         """Mark where the measured run begins (for `stats`)."""
 
@@ -53,12 +63,22 @@ class EngineBackend(Backend):
         self.aengine = AsyncEngine(engine, max_pending=max_pending)
         self.tokenizer = engine.tokenizer
         self.encoder_pooling = dict(engine.encoder_pooling)
-        self._first_step = engine.num_steps
         self._first_hits = 0
+        self._observers: list[Callable[[Any], None]] = []
+        self._steps: Any = None  # a StepAggregator from `start` on
 
     @property
     def generator(self) -> Any:
         return self.aengine
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.aengine.max_pending
+
+    def observe_steps(self, observer: Callable[[Any], None]) -> bool:
+        self.engine.step_observers.append(observer)
+        self._observers.append(observer)
+        return True
 
     def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
         from orthrus_rag.retrievers import EngineEmbedder
@@ -66,16 +86,17 @@ class EngineBackend(Backend):
         return EngineEmbedder(self.aengine, document_params=document_params, query_params=query_params)
 
     def start(self) -> None:
-        self._first_step = self.engine.num_steps
-        self._first_hits = getattr(self.engine.block_manager, "num_hit_tokens", 0)
+        from orthrus_rag.engine.stats import StepAggregator
 
-    def steps(self) -> list:
-        return [s for s in self.engine.step_stats if s.step >= self._first_step]
+        self._first_hits = getattr(self.engine.block_manager, "num_hit_tokens", 0)
+        if self._steps is None:
+            self._steps = StepAggregator()
+            self.observe_steps(self._steps.add)
 
     def stats(self) -> dict[str, Any] | None:
-        from orthrus_rag.engine.stats import summarize_steps
-
-        stats = summarize_steps(self.steps())
+        if self._steps is None:
+            return None
+        stats = self._steps.summary()
         hits = getattr(self.engine.block_manager, "num_hit_tokens", None)
         if hits is not None:  # prefix caching on: prompt tokens served from cached blocks
             stats["prefix_cache_hit_tokens"] = hits - self._first_hits
@@ -83,6 +104,9 @@ class EngineBackend(Backend):
 
     async def aclose(self) -> None:
         await self.aengine.shutdown()
+        for observer in self._observers:  # NOTE: the engine may outlive this backend (a shared test engine)
+            self.engine.step_observers.remove(observer)
+        self._observers.clear()
 
 
 class ClientBackend(Backend):
@@ -101,6 +125,10 @@ class ClientBackend(Backend):
     @property
     def generator(self) -> Any:
         return self.bridge
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.bridge.max_in_flight
 
     def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
         from orthrus_rag.retrievers import ClientEmbedder

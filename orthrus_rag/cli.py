@@ -1,8 +1,14 @@
 """Console entry point `orthrus-rag`.
 
     orthrus-rag run [overrides...]     answer a dataset's questions (Hydra; e.g. dataset=2wiki dataset.path=...)
+    orthrus-rag run resume=RUN_DIR     continue a run that stopped: its recorded questions are skipped
+    orthrus-rag run -m engine=orthrus,hetero_fcfs ...   a sweep: one run folder per job under run_dir
+    orthrus-rag summarize PATH...      table run folders (a sweep's jobs) side by side
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
     orthrus-rag demo                   generate and embed together on the built-in models, show the mixed steps
+
+Exit codes: 0 every question answered; 1 some questions failed (summary.json says which and why) or the run
+stopped part-way (resume= continues it); 2 bad configuration (nothing ran).
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
+
+from orthrus_rag.cli_errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 
 DEMO_PROMPTS = [
     "Question: Who wrote the novel Pride and Prejudice?\nAnswer:",
@@ -52,46 +61,128 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def _hydra(command: str, argv: list[str]) -> int:
-    """Compose the config with Hydra (overrides, --help, --cfg job, multirun) and call the plain function."""
+    """Compose the config with Hydra (overrides, --help, --cfg job, multirun) and call the plain function;
+    returns the worst exit code of its jobs."""
     import hydra
     from omegaconf import DictConfig
 
     from orthrus_rag.app_config import register_configs
 
     register_configs()
+    codes: list[int] = []
+    started: list[bool] = []
 
     @hydra.main(version_base=None, config_path="pkg://orthrus_rag.conf", config_name="config")
     def entry(cfg: DictConfig) -> None:
-        try:
-            _task(command, cfg)
-        except ValueError as exc:  # bad config values or input: say what is wrong, no traceback
-            print(f"error: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
+        started.append(True)
+        codes.append(_job(command, cfg))
 
-    sys.argv, saved = [f"orthrus-rag {command}", *argv], sys.argv
+    resume = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("resume=")), None)
+    if resume not in (None, "null") and not Path(resume).is_dir():  # NOTE: before Hydra creates it as its folder
+        print(f"error: resume: no such run folder: {resume}", file=sys.stderr)
+        return EXIT_CONFIG
+    sys.argv, saved = [f"orthrus-rag {command}", *_resume_overrides(argv)], sys.argv
     try:
         entry()
+    except SystemExit as exc:  # NOTE: Hydra exits before any job for a bad override or config
+        if exc.code not in (0, None) and not started:
+            return EXIT_CONFIG
+        raise
     finally:
         sys.argv = saved
-    return 0
+    return max(codes, default=0)
 
 
-def _task(command: str, cfg) -> None:  # noqa: ANN001 (a DictConfig)
+def _resume_overrides(argv: list[str]) -> list[str]:
+    """A resumed run writes into the folder it continues, and keeps the Hydra files of its first session there."""
+    resume = any(a.startswith("resume=") and a != "resume=null" for a in argv)
+    if resume and not any(a.startswith("hydra.run.dir=") for a in argv):
+        return [*argv, "hydra.run.dir=${resume}", "hydra.output_subdir=null"]
+    return argv
+
+
+def _job(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
+    """One Hydra job: errors a user can act on become one line and an exit code (a sweep's other jobs go on)."""
+    from orthrus_rag.cli_errors import describe_error
+
+    try:
+        cfg = _job_config(cfg)
+        return _task(command, cfg)
+    except (Exception, KeyboardInterrupt) as exc:
+        described = describe_error(exc, cfg.resume or cfg.run_dir)
+        if described is None:  # a bug: keep the traceback
+            raise
+        code, message = described
+        logging.getLogger(__name__).debug("stopped", exc_info=True)
+        print(message, file=sys.stderr)
+        if isinstance(exc, KeyboardInterrupt):  # NOTE: stop a sweep too, not just this job
+            raise SystemExit(code) from None
+        return code
+
+
+def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)
+    """The job's run folder is Hydra's output folder (a sweep: one per job); a bare `resume=DIR` (operational
+    overrides aside) continues with the config DIR was started with."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    from orthrus_rag.app_config import OPERATIONAL_KEYS, resumed_config
+    from orthrus_rag.pipelines.run_store import CONFIG, RunStore
+
+    hc = HydraConfig.get()
+    if cfg.resume is not None and hc.mode == RunMode.MULTIRUN:
+        raise ValueError("resume= continues one run folder, not a sweep: resume each job on its own "
+                         "(orthrus-rag run resume=<sweep folder>/<job number>)")
+    cfg.run_dir = hc.runtime.output_dir
+    if cfg.resume is None:
+        return cfg
+    keys = {o.key_or_group for o in OverridesParser.create().parse_overrides(list(hc.overrides.task))}
+    saved = RunStore(cfg.resume).read_text(CONFIG)
+    if saved is not None and keys <= set(OPERATIONAL_KEYS):
+        return resumed_config(saved, cfg, keys)
+    return cfg  # NOTE: app.run checks it against the saved config and names any difference
+
+
+def _task(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
     from orthrus_rag import app
 
     if command == "index":
         print(f"index saved to {app.index(cfg)}")
-        return
+        return EXIT_OK
     summary = app.run(cfg)
     from orthrus_rag.pipelines import format_table
 
+    folder = cfg.resume or cfg.run_dir
     print(format_table(summary))
     eng = summary.get("engine")
     if eng is None:  # a deployment: its workers' steps are not seen here
-        print(f"served by {summary['config']['serving']}; records in {cfg.run_dir}")
-        return
-    print(f"engine: {eng['num_steps']} steps, {eng['num_mixed_steps']} carried embedding and generation tokens "
-          f"together; records in {cfg.run_dir}")
+        print(f"served by {summary['config']['serving']}; records in {folder}")
+    else:
+        print(f"engine: {eng['num_steps']} steps, {eng['num_mixed_steps']} carried embedding and generation tokens "
+              f"together; records in {folder}")
+    if summary["num_failed"]:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in summary["failures"].items())
+        print(f"{summary['num_failed']} of {summary['num_questions']} questions failed ({reasons}); "
+              f"summary.json lists them under 'failed'", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def summarize(args: argparse.Namespace) -> int:
+    from orthrus_rag.pipelines.sweep import find_runs, sweep_table
+
+    try:
+        runs = find_runs(args.paths)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if not runs:
+        print(f"error: no run folders (with summary.json) under {', '.join(args.paths)}", file=sys.stderr)
+        return EXIT_CONFIG
+    base = Path(args.paths[0]) if len(args.paths) == 1 else None
+    print(sweep_table(runs, base))
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="answer a dataset's questions (Hydra overrides follow)")
     sub.add_parser("index", help="build a dataset's retrieval index (Hydra overrides follow)")
+    p = sub.add_parser("summarize", help="table run folders (e.g. a sweep's jobs) side by side")
+    p.add_argument("paths", nargs="+", help="run folders, or folders holding them (a sweep's run_dir)")
     p = sub.add_parser("demo", help="generate and embed together on the built-in models")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--embedding-model", default=None,
@@ -112,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return {"demo": demo}[args.command](args)
+    return {"demo": demo, "summarize": summarize}[args.command](args)
 
 
 if __name__ == "__main__":

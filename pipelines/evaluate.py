@@ -1,66 +1,130 @@
-"""Summaries of a pipeline run: answer quality, retrieval recall, latency per question and per stage,
-throughput; written to the run folder as JSONL + JSON and rendered as a table."""
+"""Summaries of a pipeline run: answer quality (on the parsed answer, and on the raw generation for comparison),
+retrieval recall, latency per question and per stage, throughput, failures; rendered as a table.
+
+`RunScores` folds records in one at a time, so a run of any length keeps only a few numbers per question (the
+latencies, for exact percentiles) and the summary can be recomputed from records.jsonl at any point.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Sequence
-from pathlib import Path
+from array import array
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
-from orthrus_rag.pipelines.metrics import percentiles
+from orthrus_rag.pipelines.metrics import answer_scores, percentiles
 from orthrus_rag.pipelines.records import QARecord
 
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def summarize(records: Sequence[QARecord], wall_time_s: float) -> dict[str, Any]:
-    ok = [r for r in records if r.error is None]
-    summary: dict[str, Any] = {
-        "num_questions": len(records),
-        "num_failed": len(records) - len(ok),
-        "em": _mean([r.em for r in ok]),
-        "f1": _mean([r.f1 for r in ok]),
-        "wall_time_s": wall_time_s,
-        "throughput_qps": len(ok) / wall_time_s if wall_time_s > 0 else float("nan"),
-        "latency_s": percentiles([r.latency_s for r in ok]),
-        "retrieve_s": percentiles([it.retrieve_s for r in ok for it in r.iterations]),
-        "generate_s": percentiles([it.generate_s for r in ok for it in r.iterations]),
-    }
-    for key in sorted({k for r in ok for k in r.recall}):
-        vals = [r.recall[key] for r in ok if r.recall.get(key) is not None]
-        summary[key] = _mean(vals)
-    by_type: dict[str, list[QARecord]] = {}
-    for r in ok:
-        by_type.setdefault(r.type or "-", []).append(r)
-    summary["by_type"] = {t: {"n": len(rs), "em": _mean([r.em for r in rs]), "f1": _mean([r.f1 for r in rs])}
-                          for t, rs in sorted(by_type.items())}
-    return summary
+METRICS = ("em", "f1", "acc")
+MAX_LISTED_FAILURES = 100  # the summary names this many failed questions; records.jsonl has them all
 
 
-def write_run(folder: str | Path, records: Sequence[QARecord], summary: dict[str, Any]) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "records.jsonl", "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
-    (folder / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
-    return folder
+class _Means:
+    """Running sums of named values."""
+
+    def __init__(self) -> None:
+        self.sums: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
+
+    def add(self, key: str, value: float | None) -> None:
+        if value is not None:
+            self.sums[key] += value
+            self.counts[key] += 1
+
+    def mean(self, key: str) -> float:
+        return self.sums[key] / self.counts[key] if self.counts[key] else float("nan")
+
+
+class RunScores:
+    """The summary of the records added so far."""
+
+    def __init__(self) -> None:
+        self.num_questions = 0
+        self.failures: Counter[str] = Counter()
+        self.failed: list[dict[str, Any]] = []
+        self.means = _Means()
+        self.by_type: dict[str, _Means] = {}
+        self.latency, self.retrieve, self.generate = array("d"), array("d"), array("d")
+        self.session_end: dict[int, float] = {}  # session -> its last record's finished_s
+
+    def add(self, rec: QARecord) -> None:
+        self.num_questions += 1
+        self.session_end[rec.session] = max(self.session_end.get(rec.session, 0.0), rec.finished_s)
+        if rec.error is not None:
+            self.failures[rec.error.split(":", 1)[0]] += 1
+            if len(self.failed) < MAX_LISTED_FAILURES:
+                self.failed.append({"index": rec.index, "id": rec.id, "error": rec.error})
+            return
+        raw = answer_scores(rec.raw_generation, rec.golden_answers)
+        typed = self.by_type.setdefault(rec.type or "-", _Means())
+        for m in METRICS:
+            self.means.add(m, getattr(rec, m))
+            self.means.add(f"raw_{m}", raw[m])
+            typed.add(m, getattr(rec, m))
+        typed.add("n", 1.0)
+        self.means.add("answer_found", float(bool(rec.iterations) and rec.iterations[-1].answer_found))
+        for key, value in rec.recall.items():
+            self.means.add(key, value)
+        self.latency.append(rec.latency_s)
+        self.retrieve.extend(it.retrieve_s for it in rec.iterations)
+        self.generate.extend(it.generate_s for it in rec.iterations)
+
+    @property
+    def num_failed(self) -> int:
+        return sum(self.failures.values())
+
+    @property
+    def wall_time_s(self) -> float:
+        """Time the pipeline ran, summed over the sessions of a resumed run (each up to its last record)."""
+        return sum(self.session_end.values())
+
+    def summary(self) -> dict[str, Any]:
+        ok = self.num_questions - self.num_failed
+        wall = self.wall_time_s
+        summary: dict[str, Any] = {"num_questions": self.num_questions, "num_failed": self.num_failed}
+        summary.update({m: self.means.mean(m) for m in METRICS})
+        summary["raw_generation"] = {m: self.means.mean(f"raw_{m}") for m in METRICS}
+        summary["answer_found_rate"] = self.means.mean("answer_found")
+        summary.update({
+            "wall_time_s": wall,
+            "throughput_qps": ok / wall if wall > 0 else float("nan"),
+            "latency_s": percentiles(self.latency),
+            "retrieve_s": percentiles(self.retrieve),
+            "generate_s": percentiles(self.generate),
+        })
+        for key in sorted(k for k in self.means.counts if k.startswith("recall@")):
+            summary[key] = self.means.mean(key)
+        summary["by_type"] = {t: {"n": int(m.sums["n"]), **{k: m.mean(k) for k in METRICS}}
+                              for t, m in sorted(self.by_type.items())}
+        summary["failures"] = dict(self.failures.most_common())
+        summary["failed"] = list(self.failed)
+        return summary
+
+
+def summarize(records: Iterable[QARecord]) -> dict[str, Any]:
+    scores = RunScores()
+    for rec in records:
+        scores.add(rec)
+    return scores.summary()
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    def num(x: float) -> str:
-        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
-
-    rows = [("questions", str(summary["num_questions"])), ("failed", str(summary["num_failed"])),
-            ("EM", num(summary["em"])), ("F1", num(summary["f1"]))]
-    rows += [(k, num(v)) for k, v in summary.items() if k.startswith("recall@")]
-    rows += [("throughput (q/s)", num(summary["throughput_qps"])), ("wall time (s)", num(summary["wall_time_s"]))]
+    raw = summary.get("raw_generation", {})
+    rows = [("questions", str(summary["num_questions"])), ("failed", str(summary["num_failed"]))]
+    rows += [(m.upper() if m != "acc" else "acc", f"{_num(summary[m])}   (raw generation {_num(raw.get(m))})")
+             for m in METRICS]
+    rows.append(("answer phrase found", _num(summary.get("answer_found_rate"))))
+    rows += [(k, _num(v)) for k, v in summary.items() if k.startswith("recall@")]
+    rows += [("throughput (q/s)", _num(summary["throughput_qps"])), ("wall time (s)", _num(summary["wall_time_s"]))]
     for stage in ("latency_s", "retrieve_s", "generate_s"):
         p = summary[stage]
-        rows.append((f"{stage} p50/p95/p99", " / ".join(num(p[q]) for q in ("p50", "p95", "p99"))))
+        rows.append((f"{stage} p50/p95/p99", " / ".join(_num(p[q]) for q in ("p50", "p95", "p99"))))
+    for reason, count in summary.get("failures", {}).items():
+        rows.append((f"failed: {reason}", str(count)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,5 +1,10 @@
-"""Answer and retrieval metrics: EM and F1 with the standard (SQuAD / HotpotQA) answer normalisation, best
-over all golden answers; recall@k of the supporting paragraphs; latency percentiles."""
+"""Answer and retrieval metrics as the field reports them (SQuAD / HotpotQA / FlashRAG): EM, F1 and `acc` with the
+standard answer normalisation (lower case, no punctuation, no articles, single spaces), best over all golden
+answers; recall@k of the supporting paragraphs; latency percentiles.
+
+`acc` is FlashRAG's `Sub_ExactMatch`: 1 when a normalised golden answer is a substring of the normalised prediction
+(a plain substring, as FlashRAG does: "no" is contained in "not"; answers.parse_answer reduces yes/no answers to a
+bare "yes" / "no" first)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,18 @@ def normalize_answer(text: str) -> str:
 def exact_match(prediction: str, golden_answers: Sequence[str]) -> float:
     pred = normalize_answer(prediction)
     return float(any(pred == normalize_answer(g) for g in golden_answers))
+
+
+def accuracy(prediction: str, golden_answers: Sequence[str]) -> float:
+    """FlashRAG's `acc`: some normalised golden answer is contained in the normalised prediction."""
+    pred = normalize_answer(prediction)
+    return float(any(normalize_answer(g) in pred for g in golden_answers))
+
+
+def answer_scores(prediction: str, golden_answers: Sequence[str]) -> dict[str, float]:
+    """EM, F1 and acc of one prediction (the keys the records and summaries use)."""
+    return {"em": exact_match(prediction, golden_answers), "f1": f1_score(prediction, golden_answers),
+            "acc": accuracy(prediction, golden_answers)}
 
 
 def _f1(prediction: str, golden: str) -> float:

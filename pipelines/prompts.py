@@ -1,18 +1,20 @@
 """Iter-RetGen prompts: 3-shot chain-of-thought demonstrations ending in "So the answer is ...".
 
+The final answer is parsed back out of a generation by `answers.parse_answer`.
+
 The demonstrations are written for this project (a fictional world, 2Wiki's question types) so that no
 benchmark question leaks into the prompt.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from orthrus_rag.data.types import Passage
 
+ANSWER_PHRASE = "So the answer is"  # what answers.parse_answer looks for
 INSTRUCTION = ("Answer the question using the passages. Think step by step, then finish with "
-               "\"So the answer is <answer>.\"")
+               f"\"{ANSWER_PHRASE} <answer>.\"")
 
 DEMOS: list[tuple[str, str, str]] = [
     (
@@ -38,9 +40,6 @@ DEMOS: list[tuple[str, str, str]] = [
     ),
 ]
 
-_ANSWER = re.compile(r"so the answer is[:\s]*(.+)", re.IGNORECASE | re.DOTALL)
-
-
 def format_passages(passages: Sequence[Passage]) -> str:
     return "\n".join(f"{p.title}: {p.text}" for p in passages)
 
@@ -55,16 +54,3 @@ def build_prompt(question: str, passages: Sequence[Passage] | None) -> str:
         parts.append(f"Passages:\n{format_passages(passages)}")
     parts += [f"Question: {question}", "Answer:"]
     return "\n".join(parts)
-
-
-def extract_answer(generation: str) -> str:
-    """The text after the last "So the answer is", up to the end of its sentence; else the first line."""
-    matches = list(_ANSWER.finditer(generation))
-    text = matches[-1].group(1) if matches else generation.strip().split("\n", 1)[0]
-    text = text.strip().split("\n", 1)[0]
-    # NOTE: cut at the sentence end, but keep dots inside names and numbers ("J. R. R. Tolkien", "3.5")
-    for end in re.finditer(r"\.(\s|$)", text):
-        if not re.search(r"(^|\s)[A-Z]$", text[:end.start()]):
-            text = text[:end.start()]
-            break
-    return text.strip().strip('"').strip()

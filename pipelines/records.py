@@ -1,8 +1,14 @@
-"""What a pipeline keeps per question, so a run can be inspected afterwards (FlashRAG-style)."""
+"""What a pipeline keeps per question, so a run can be inspected (FlashRAG-style) and resumed afterwards.
+
+Each iteration keeps the raw generation beside the answer parsed from it; the question's scores are those of the
+last iteration's answer. `index` (the question's position in the dataset) and `session` / `finished_s` (which run
+of a resumed run recorded it, and when after that session's start) let a run be resumed and timed from its
+records alone.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -12,10 +18,11 @@ class IterationRecord:
     query: str
     retrieved: list[dict[str, Any]]  # [{"id", "title", "score"}], best first
     prompt: str
-    generation: str
-    answer: str
+    generation: str  # raw, as the model wrote it
+    answer: str  # parsed from the generation (answers.parse_answer)
     retrieve_s: float  # query embedding + index search
     generate_s: float
+    answer_found: bool = True  # the prompt's "So the answer is" was there (False: a fallback rule found the answer)
 
 
 @dataclass
@@ -26,12 +33,30 @@ class QARecord:
     type: str | None
     supporting_titles: list[str]
     iterations: list[IterationRecord] = field(default_factory=list)
-    prediction: str = ""
+    prediction: str = ""  # the last iteration's parsed answer
     em: float = 0.0
     f1: float = 0.0
+    acc: float = 0.0
     recall: dict[str, float | None] = field(default_factory=dict)  # "recall@k" of the last retrieval
     latency_s: float = 0.0
     error: str | None = None
+    index: int = -1  # position in the dataset
+    session: int = 0  # 0: the first run into this folder; n: its n-th resume
+    finished_s: float = 0.0  # seconds after the session's pipeline started
+
+    @property
+    def raw_generation(self) -> str:
+        return self.iterations[-1].generation if self.iterations else ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> "QARecord":
+        """The inverse of `to_json` (unknown keys are ignored, so older records still read)."""
+        known = {f.name for f in fields(cls)}
+        rec = cls(**{k: v for k, v in row.items() if k in known and k != "iterations"})
+        it_known = {f.name for f in fields(IterationRecord)}
+        rec.iterations = [IterationRecord(**{k: v for k, v in it.items() if k in it_known})
+                          for it in row.get("iterations", [])]
+        return rec

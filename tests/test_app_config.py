@@ -67,7 +67,5 @@ def test_bad_config_fails_before_any_model_loads(overrides, message, monkeypatch
 def test_cli_reports_a_bad_value_without_a_traceback(tmp_path, capsys):
     from orthrus_rag.cli import main
 
-    with pytest.raises(SystemExit) as exc:
-        main(["run", "pipeline.iterations=0", f"run_dir={tmp_path}"])
-    assert exc.value.code == 2
+    assert main(["run", "pipeline.iterations=0", f"run_dir={tmp_path}"]) == 2
     assert "error: pipeline.iterations must be at least 1" in capsys.readouterr().err

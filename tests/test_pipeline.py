@@ -64,9 +64,18 @@ def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path):
     assert 0.0 <= summary["em"] <= summary["f1"] + 1e-9 <= 1.0 + 1e-9
     assert 0.0 <= summary["recall@2"] <= 1.0
     assert summary["engine"]["num_mixed_steps"] > 0  # query embeddings shared steps with generations
+    assert 0.0 <= summary["em"] <= summary["acc"] <= 1.0 and set(summary["raw_generation"]) == {"em", "f1", "acc"}
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 6 and all(len(r["iterations"]) == 2 for r in records)
-    assert (tmp_path / "summary.json").is_file() and (tmp_path / "index" / "manifest.json").is_file()
+    assert sorted(r["index"] for r in records) == list(range(6))
+    assert all(r["prediction"] == r["iterations"][-1]["answer"] and r["iterations"][-1]["generation"]
+               for r in records)  # the parsed answer beside the raw generation
+    steps = (tmp_path / "steps.jsonl").read_text().splitlines()
+    assert len(steps) == summary["engine"]["num_steps"]  # every step of the run, streamed
+    assert summary["engine"]["step_time_s"]["total"] == len(steps)
+    assert json.loads((tmp_path / "summary.json").read_text())["complete"] is True
+    assert "name: synthetic" in (tmp_path / "config.yaml").read_text()
+    assert (tmp_path / "index" / "manifest.json").is_file()
 
 
 def test_prefix_caching_serves_the_shared_prompt_prefix_and_changes_no_answer(tmp_path: Path):

@@ -1,0 +1,176 @@
+"""One session of `orthrus-rag run` in its run folder: a fresh run, or a resumed one (`resume=<run_dir>`).
+
+It reads back what earlier sessions recorded, writes each new record as its question finishes, streams the engine's
+steps to steps.jsonl, rewrites summary.json every `checkpoint_every` questions and at the end, and shows progress
+(questions/s, ETA, running scores). The summary is always recomputed from the records (and the engine totals from
+steps.jsonl), so a resumed run ends with the summary an uninterrupted one would have, timings aside.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from orthrus_rag.app_config import config_diff
+from orthrus_rag.data.types import QAExample
+from orthrus_rag.engine.stats import StepAggregator, StepStats
+from orthrus_rag.pipelines.evaluate import RunScores
+from orthrus_rag.pipelines.records import QARecord
+from orthrus_rag.pipelines.run_store import CONFIG, SUMMARY, RunStore
+
+logger = logging.getLogger(__name__)
+
+
+class RunSession:
+    def __init__(self, folder: str | Path, cfg: Any) -> None:
+        """Open the run folder: refuse to write over another run; on resume, check the config and read back."""
+        from omegaconf import OmegaConf
+
+        self.store = RunStore(folder)
+        self.folder = self.store.folder
+        self.cfg = cfg
+        self.scores = RunScores()
+        self.steps = StepAggregator()
+        self.done: dict[int, str] = {}  # dataset position -> question id, of every recorded question
+        self.session = 0
+        self.previous_sessions: list[dict[str, Any]] = []
+        self.num_total = 0
+        self.num_new = 0
+        self.started = time.perf_counter()
+        self.started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.backend: Any = None  # set by the app once built: its `stats()` adds prefix-cache hits
+        self.labels: dict[str, Any] = {}  # what the run is (policy, retriever, dataset...): set by the app
+        self._bar: Any = None
+        if cfg.resume is None:
+            if self.store.has_records():
+                raise ValueError(f"{self.folder} already holds a run (records.jsonl is not empty); continue it with "
+                                 f"resume={self.folder}, or choose another run_dir")
+            self.store.open()
+            self.store.write_atomic(CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+        else:
+            self._read_back(OmegaConf.create(self._saved_config()))
+            self.store.open()
+
+    def _saved_config(self) -> str:
+        saved = self.store.read_text(CONFIG)
+        if saved is None:
+            raise ValueError(f"resume: {self.folder} has no {CONFIG}; it is not a run folder of `orthrus-rag run`")
+        return saved
+
+    def _read_back(self, saved: Any) -> None:
+        import json
+
+        diff = config_diff(saved, self.cfg)
+        if diff:
+            raise ValueError(f"resume: the config differs from the one {self.folder} was started with:\n  "
+                             + "\n  ".join(diff) + f"\n(`orthrus-rag run resume={self.folder}` alone continues "
+                             "with the saved config)")
+        last = -1
+        for rec in self.store.read_records():
+            self.scores.add(rec)
+            self.done[rec.index] = rec.id
+            last = max(last, rec.session)
+        self.session = last + 1
+        for row in self.store.read_steps():
+            self.steps.add_row(row)
+        summary = self.store.read_text(SUMMARY)
+        if summary is not None:  # NOTE: its last session may lag its records by up to checkpoint_every questions
+            previous = json.loads(summary)
+            self.previous_sessions = previous.get("sessions", [])
+            self.labels = previous.get("config", {})  # until the app sets this session's
+        logger.info("resuming %s: %d questions recorded, session %d", self.folder, len(self.done), self.session)
+
+    # ---- the questions left -----------------------------------------------------------------------------
+    def remaining(self, examples: Sequence[QAExample]) -> list[tuple[int, QAExample]]:
+        """(index, example) of the questions not yet recorded; checks the recorded ones against the dataset."""
+        self.num_total = len(examples)
+        for index, qid in self.done.items():
+            if index >= len(examples) or index < 0 or examples[index].id != qid:
+                there = examples[index].id if 0 <= index < len(examples) else "nothing"
+                raise ValueError(f"resume: {self.folder} recorded question {qid!r} at position {index}, but the "
+                                 f"dataset has {there} there (another dataset file or order?)")
+        return [(i, ex) for i, ex in enumerate(examples) if i not in self.done]
+
+    # ---- while the run goes -----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The pipeline starts now (records' `finished_s`, and so the run's wall time, count from here)."""
+        self.started = time.perf_counter()
+
+    def observe(self, stats: StepStats) -> None:
+        """Engine step observer (the engine's thread): totals, and a steps.jsonl row."""
+        self.steps.add(stats)
+        self.store.append_step({**vars(stats), "session": self.session})
+
+    async def consume(self, records: AsyncIterator[QARecord]) -> None:
+        """Write each record as it comes, checkpoint every `checkpoint_every`, show progress."""
+        self._open_bar()
+        try:
+            async for rec in records:
+                rec.session, rec.finished_s = self.session, time.perf_counter() - self.started
+                self.store.append_record(rec)
+                self.scores.add(rec)
+                self.num_new += 1
+                self._show(rec)
+                if self.num_new % self.cfg.checkpoint_every == 0:
+                    self.checkpoint()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+
+    def _open_bar(self) -> None:
+        tty = sys.stderr.isatty()
+        self._bar = tqdm(total=self.num_total, initial=len(self.done), desc="questions", unit="q",
+                         disable=not self.cfg.progress, smoothing=0.05, mininterval=0.5 if tty else 30.0,
+                         dynamic_ncols=True)
+
+    def _show(self, rec: QARecord) -> None:
+        s = self.scores.means
+        self._bar.set_postfix_str(f"EM {s.mean('em'):.3f} F1 {s.mean('f1'):.3f} acc {s.mean('acc'):.3f} "
+                                  f"failed {self.scores.num_failed}", refresh=False)
+        self._bar.update(1)
+
+    def progress_line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        rate = self.num_new / elapsed if elapsed > 0 else 0.0
+        left = self.num_total - self.scores.num_questions
+        eta = f"{left / rate / 60:.1f} min" if rate > 0 else "?"
+        s = self.scores.means
+        return (f"{self.scores.num_questions}/{self.num_total} questions, {rate:.3f} q/s, ETA {eta}; EM "
+                f"{s.mean('em'):.3f} F1 {s.mean('f1'):.3f} acc {s.mean('acc'):.3f}; {self.scores.num_failed} failed")
+
+    def checkpoint(self) -> None:
+        self.store.checkpoint(self.summary())
+        logger.info("%s", self.progress_line())
+
+    # ---- the summary ------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        summary = self.scores.summary()
+        summary["num_total"] = self.num_total
+        summary["complete"] = self.scores.num_questions == self.num_total
+        sessions = self._sessions()
+        if self.steps.totals["num_steps"]:
+            summary["engine"] = self.steps.summary()
+            hits = [s["prefix_cache_hit_tokens"] for s in sessions if s.get("prefix_cache_hit_tokens") is not None]
+            if hits:  # NOTE: an interrupted session counts up to its last checkpoint
+                summary["engine"]["prefix_cache_hit_tokens"] = sum(hits)
+        summary["sessions"] = sessions
+        summary["config"] = self.labels
+        return summary
+
+    def _sessions(self) -> list[dict[str, Any]]:
+        this = {"session": self.session, "started": self.started_at, "questions": self.num_new,
+                "time_s": time.perf_counter() - self.started}
+        hits = ((self.backend.stats() or {}) if self.backend is not None else {}).get("prefix_cache_hit_tokens")
+        if hits is not None:
+            this["prefix_cache_hit_tokens"] = hits
+        return [s for s in self.previous_sessions if s.get("session") != self.session] + [this]
+
+    def close(self) -> None:
+        self.store.close()

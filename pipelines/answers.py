@@ -1,0 +1,85 @@
+"""The final answer in a chain-of-thought generation, as the field parses it (Iter-RetGen / IRCoT / FlashRAG).
+
+The prompt asks the model to reason and finish with "So the answer is <answer>." (prompts.ANSWER_PHRASE). The answer
+is the text after the *first* such phrase (a small model often runs on into an invented next demonstration, whose
+own "So the answer is" belongs to another question), up to the end of its sentence. Models that ignore the format
+get a fallback: "the answer is ..." / "Answer: ..." anywhere, else the first sentence of the first line (direct
+answers come first). Answers to yes/no questions are reduced to "yes" / "no", so "No, the two mosques are not in
+the same neighbourhood." scores as "no".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from orthrus_rag.pipelines.prompts import ANSWER_PHRASE
+
+_PHRASE = re.compile(r"\b" + r"\s+".join(ANSWER_PHRASE.lower().split()) + r"\b", re.IGNORECASE)
+# NOTE: fallbacks for models that drop the prompt's phrase; "answer:" alone would also catch an echoed "Answer:" label
+_FALLBACKS = (re.compile(r"\b(?:the\s+)?(?:final\s+|correct\s+)?answer\s+(?:is|would\s+be)\b", re.IGNORECASE),
+              re.compile(r"\banswer\s*:", re.IGNORECASE))
+_ABBREVIATIONS = {"dr", "mr", "mrs", "ms", "st", "jr", "sr", "mt", "ft", "vs", "gen", "col", "lt", "sgt", "prof",
+                  "rev", "hon", "co", "inc", "ltd", "no", "vol", "ca", "c"}
+_AUXILIARIES = {"is", "are", "was", "were", "do", "does", "did", "can", "could", "has", "have", "had", "will",
+                "would", "should", "shall", "may", "might", "must"}
+_EDGE = " \t\"'“”‘’*_`:"  # quotes and markdown emphasis around an answer
+
+
+@dataclass(frozen=True)
+class ParsedAnswer:
+    answer: str
+    found: bool  # the prompt's phrase was there (False: a fallback rule gave the answer)
+
+
+def parse_answer(generation: str, question: str | None = None) -> ParsedAnswer:
+    """The final answer of `generation`; `question` lets "No they are not" reduce to "no" for yes/no questions."""
+    match = _PHRASE.search(generation)
+    found = match is not None
+    if match is None:
+        match = next((m for m in (p.search(generation) for p in _FALLBACKS) if m is not None), None)
+    if match is not None:
+        text = generation[match.end():]
+    else:
+        text = next((line for line in generation.splitlines() if line.strip(_EDGE + "#-")), "")
+    answer = _first_sentence(_first_line(text.lstrip(_EDGE + "\n")))
+    return ParsedAnswer(_yes_no(answer, question), found)
+
+
+def extract_answer(generation: str, question: str | None = None) -> str:
+    return parse_answer(generation, question).answer
+
+
+def is_yes_no_question(question: str) -> bool:
+    """2Wiki / HotpotQA comparison questions that start with an auxiliary ("Are both films ...?")."""
+    words = question.strip().split(maxsplit=1)
+    return bool(words) and words[0].lower() in _AUXILIARIES
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def _first_sentence(text: str) -> str:
+    """Cut at the first full stop that ends a sentence, keeping the dots of initials ("J. R. R. Tolkien"),
+    acronyms ("U.S. Army"), abbreviations ("Dr. No") and numbers ("3.5")."""
+    for end in re.finditer(r"\.(?=\s|$)", text):
+        word = re.search(r"(\S+)$", text[:end.start()])
+        token = word.group(1) if word else ""
+        if re.fullmatch(r"[A-Z]|(?:[A-Za-z]\.)+[A-Za-z]", token) or token.lower().strip(_EDGE) in _ABBREVIATIONS:
+            continue
+        text = text[:end.start()]
+        break
+    return text.strip(_EDGE).rstrip(".").strip(_EDGE)
+
+
+def _yes_no(answer: str, question: str | None) -> str:
+    """"Yes, ..." / "No." / "no" -> "yes" / "no"; "No they are not" too when the question is a yes/no question
+    (a film called "No Way Out" is not an answer to one)."""
+    match = re.match(r"(yes|no)\b(.*)", answer, re.IGNORECASE | re.DOTALL)
+    if match is None:
+        return answer
+    rest = match.group(2).lstrip()
+    if not rest or rest[0] in ",;:!.-—" or (question is not None and is_yes_no_question(question)):
+        return match.group(1).lower()
+    return answer

@@ -1,0 +1,118 @@
+"""Answer extraction from chain-of-thought generations and the scores on the extracted answer (EM, F1, acc)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orthrus_rag.pipelines.answers import extract_answer, is_yes_no_question, parse_answer
+from orthrus_rag.pipelines.metrics import accuracy, answer_scores, normalize_answer
+
+SAME_PLACE = "Are the Laleli Mosque and Esma Sultan Mansion located in the same neighborhood?"
+NATIONALITY = ("Do director of film Coolie No. 1 (1995 Film) and director of film The Sensational Trial have the same "
+               "nationality?")
+
+
+@pytest.mark.parametrize("generation,answer", [
+    # the prompt's format
+    ("Polish-Russian War was directed by Xawery Żuławski. The mother of Xawery Żuławski is Małgorzata Braunek. "
+     "So the answer is Małgorzata Braunek.", "Małgorzata Braunek"),
+    ("So the answer is: J. R. R. Tolkien.", "J. R. R. Tolkien"),
+    ("So the answer is 3.5 million. Extra text", "3.5 million"),
+    ("so the answer is \"Night Over Salden\"", "Night Over Salden"),
+    ("The film came out in 1972.\n\n**So the answer is Night Over Salden.**", "Night Over Salden"),
+    ("So the answer is the U.S. Army. It was founded in 1775.", "the U.S. Army"),
+    ("Dr. No was released in 1962. So the answer is Dr. No.", "Dr. No"),
+    ("So the answer is John F. Kennedy.", "John F. Kennedy"),
+    ("So the answer is\nWilliam Shakespeare.", "William Shakespeare"),
+    ("So the answer is 21 July 1935", "21 July 1935"),
+    # the first answer phrase counts: a small model often runs on into an invented next demonstration
+    ("Ilse Maralt is her mother. So the answer is Ilse Maralt.\n\nQuestion: Who is the father of Anna?\nAnswer: "
+     "Anna's father is Bruno. So the answer is Bruno.", "Ilse Maralt"),
+    # models that ignore the format
+    ("The answer is Oskar Velt.", "Oskar Velt"),
+    ("Based on the passages, the final answer is Paris.", "Paris"),
+    ("Answer: Lake Vorin Story", "Lake Vorin Story"),
+    ("Edda Maralt.\nShe directed the film in 1961.", "Edda Maralt"),
+    ("Lake Vorin Story was directed by Edda Maralt, whose mother was Ilse Maralt.",
+     "Lake Vorin Story was directed by Edda Maralt, whose mother was Ilse Maralt"),
+    ("\n\n  Paris\nmore", "Paris"),
+    ("", ""),
+])
+def test_extracts_the_final_answer(generation, answer):
+    assert extract_answer(generation) == answer
+
+
+@pytest.mark.parametrize("question,generation,answer", [
+    # SmolLM2-135M-Instruct's own generations on 2WikiMultihopQA dev questions (this project's prompt)
+    ("Are North Marion High School (Oregon) and Seoul High School both located in the same country?",
+     "No, North Marion High School (Oregon) and Seoul High School (Kansas) are not both located in the same "
+     "country. They are both located in the United States.", "no"),
+    ("When did John V, Prince Of Anhalt-Zerbst's father die?",
+     "The answer is 17 November 1534. John V, Prince of Anhalt-Zerbst's father died on 17 November 1534.",
+     "17 November 1534"),
+    ("Where was the director of film Ronnie Rocket born?",
+     "The director of film Ronnie Rocket was born in London.",
+     "The director of film Ronnie Rocket was born in London"),
+    ("Which film has the director who was born later, El Extraño Viaje or Love In Pawn?",
+     "El extraño viaje is a 1964 Spanish black drama film directed by Fernando Fernán Gómez.",
+     "El extraño viaje is a 1964 Spanish black drama film directed by Fernando Fernán Gómez"),
+])
+def test_real_small_model_outputs(question, generation, answer):
+    assert extract_answer(generation, question) == answer
+
+
+def test_reports_whether_the_prompt_phrase_was_there():
+    assert parse_answer("X. So the answer is Y.").found
+    assert not parse_answer("The answer is Y.").found
+    assert not parse_answer("Y").found
+
+
+@pytest.mark.parametrize("generation,answer", [
+    ("No, the Laleli Mosque and Esma Sultan Mansion are not located in the same neighborhood.", "no"),
+    ("The Laleli Mosque is in Laleli. Esma Sultan Mansion is in Ortaköy. So the answer is no.", "no"),
+    ("So the answer is No.", "no"),
+    ("So the answer is yes, they are.", "yes"),
+    ("Yes. Both are in Fatih.", "yes"),
+    ("YES", "yes"),
+    ("No they are not in the same neighborhood.", "no"),  # a yes/no question: "No <words>" is a no
+])
+def test_yes_no_answers_reduce_to_yes_or_no(generation, answer):
+    assert extract_answer(generation, SAME_PLACE) == answer
+
+
+def test_a_title_starting_with_no_is_kept_for_other_questions():
+    assert extract_answer("So the answer is No Country for Old Men.", "Which film came out first?") == \
+        "No Country for Old Men"
+    assert extract_answer("No Country for Old Men", None) == "No Country for Old Men"
+    assert extract_answer("No, it was not.", "Which film came out first?") == "no"  # punctuation: a no anyway
+
+
+def test_yes_no_questions_are_recognised():
+    assert is_yes_no_question(SAME_PLACE) and is_yes_no_question(NATIONALITY)
+    assert is_yes_no_question("Were both films released in 1999?")
+    assert not is_yes_no_question("Who is the mother of the director of film Polish-Russian War?")
+    assert not is_yes_no_question("Which film came out first, X or Y?")
+    assert not is_yes_no_question("")
+
+
+def test_normalisation_drops_case_punctuation_articles_and_spaces():
+    assert normalize_answer("  The Eiffel   Tower! ") == "eiffel tower"
+    assert normalize_answer("An apple, a pear.") == "apple pear"
+    assert normalize_answer("Théâtre-Français") == "théâtrefrançais"  # hyphens go (SQuAD's rule), letters stay
+
+
+def test_scores_on_the_extracted_answer_not_the_raw_generation():
+    gen = "No, the Laleli Mosque and Esma Sultan Mansion are not located in the same neighborhood."
+    assert answer_scores(gen, ["no"]) == {"em": 0.0, "f1": 0.0, "acc": 1.0}  # raw: "no" is a substring
+    assert answer_scores(extract_answer(gen, SAME_PLACE), ["no"]) == {"em": 1.0, "f1": 1.0, "acc": 1.0}
+    raw = "The mother of Xawery Żuławski is Małgorzata Braunek. So the answer is Małgorzata Braunek."
+    assert answer_scores(raw, ["Małgorzata Braunek"])["em"] == 0.0
+    assert answer_scores(extract_answer(raw), ["Małgorzata Braunek"])["em"] == 1.0
+
+
+def test_acc_is_flashrag_substring_containment():
+    assert accuracy("the director was Edda Maralt in 1961", ["Edda Maralt"]) == 1.0
+    assert accuracy("Maralt", ["Edda Maralt"]) == 0.0
+    assert accuracy("The Beatles!", ["beatles"]) == 1.0
+    assert accuracy("not sure", ["no"]) == 1.0  # FlashRAG's plain substring rule, kept for comparable numbers
+    assert accuracy("July 21, 1935", ["21 July 1935", "July 21, 1935"]) == 1.0
