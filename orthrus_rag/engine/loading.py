@@ -11,9 +11,10 @@ from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
+from orthrus_rag.machine import machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
-from orthrus_rag.models.registry import resolve_model_path
+from orthrus_rag.models.registry import cache_root, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -59,4 +60,7 @@ def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device:
         shapes += [(f.carrier.in_features, f.carrier.out_features) for f in getattr(parent, "fusions", {}).values()]
         shapes += [(m.in_features, m.out_features) for m in parent.children()
                    if isinstance(m, torch.nn.Linear) and not getattr(m, "_fused", False)]
-    return choose_kernel(shapes) == "onednn"
+    # NOTE: measured once per machine and remembered: a timing near the threshold must not flip between runs
+    # (a run resumed in a new process would compute other bits)
+    key = machine_key("linear", torch.get_num_threads(), sorted(set(shapes)))
+    return remembered(cache_root() / "linear_kernel.json", key, lambda: choose_kernel(shapes)) == "onednn"

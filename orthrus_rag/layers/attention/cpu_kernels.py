@@ -16,14 +16,14 @@ the grouped backend keeps its SDPA path.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
 import threading
 from functools import lru_cache
 from typing import Any
 
 import torch
+
+from orthrus_rag.machine import machine_key
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +107,7 @@ _LOCK = threading.Lock()
 
 def _build_name() -> str:
     """One build per CPU model and torch version: `-march=native` code must not run on another CPU."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    digest = hashlib.sha256(f"{cpu}|{torch.__version__}|{_SOURCE}".encode()).hexdigest()[:12]
-    return f"orthrus_decode_attention_{digest}"
+    return f"orthrus_decode_attention_{machine_key(_SOURCE)}"
 
 
 @lru_cache(maxsize=1)
