@@ -1,0 +1,219 @@
+"""`ClientBridge`: awaitable (and blocking) generate / embed over any `ServingClient`.
+
+A `ServingClient` is made for one caller that submits and polls in a loop (the load drivers). A pipeline such as
+Iter-RetGen instead awaits single results from many coroutines. The bridge owns the client on one pump thread:
+requests queued from any thread or event loop reach the client there, between polls, and each finished output
+resolves its request's `concurrent.futures.Future` (which coroutines await through `asyncio.wrap_future`). So
+the in-process engine, the two-process deployments (`dedicated`, `disagg-pd`) and the benchmark peers serve the
+same pipeline code.
+
+Failures stay with the request that caused them: an output that reports an error, or a request the client
+rejects, fails only its own future (`RequestFailed`). A client that fails as a whole, or one that returns
+nothing for `stall_timeout_s` while requests wait, fails every waiting request (`ClientFailed`); the bridge then
+refuses new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from orthrus_rag.engine.deploy.spec import WorkerError
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+Output = GenerationOutput | EmbeddingOutput
+
+
+class RequestFailed(RuntimeError):
+    """One request failed in the serving system (bad input, a pooling error); other requests go on."""
+
+
+class ClientFailed(RuntimeError):
+    """The serving client failed as a whole (a dead worker, a stall); every waiting request gets this, its
+    `__cause__` is the client's own error. A RuntimeError, so a pipeline records it per question and goes on."""
+
+
+class ClientBridge:
+    """Generate / embed through a `ServingClient` (`client.submit` / `poll` / `shutdown`), which it then owns.
+
+    `poll_s`: the longest a poll waits for the first finished output while requests are in flight, i.e. how late
+    a new request can reach the client. `max_in_flight` bounds the requests handed to the client at once (more
+    wait in the bridge's queue), so a big batch of embeddings cannot flood a deployment's inbox.
+    """
+
+    def __init__(self, client: Any, poll_s: float = 0.02, stall_timeout_s: float = 600.0,
+                 max_in_flight: int = 4096, name: str = "client-bridge") -> None:
+        if poll_s <= 0 or stall_timeout_s <= 0 or max_in_flight < 1:
+            raise ValueError("poll_s and stall_timeout_s must be positive and max_in_flight at least 1")
+        self.client = client
+        self.poll_s, self.stall_timeout_s, self.max_in_flight = poll_s, stall_timeout_s, max_in_flight
+        self._inbox: queue.Queue[tuple[str, str, Any, Any, Future]] = queue.Queue()
+        self._in_flight: dict[str, Future] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # NOTE: orders a submit's checks + put against the pump's final drain
+        self._error: ClientFailed | None = None
+        self._closed = False
+        self._drained = False
+        self._thread = threading.Thread(target=self._pump, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- submitting (any thread) ---------------------------------------------------------------------------
+    def submit(self, kind: str, input: str | Sequence[int],
+               params: SamplingParams | PoolingParams | None = None) -> Future:
+        """Queue one request; its future resolves to the finished output or fails with `RequestFailed`."""
+        if kind not in ("generate", "embed"):
+            raise ValueError(f"unknown request kind {kind!r}; expected 'embed' or 'generate'")
+        future: Future = Future()
+        with self._lock:
+            if self._error is not None:
+                raise ClientFailed(str(self._error)) from self._error.__cause__
+            if self._closed or self._drained:
+                raise RuntimeError("the ClientBridge is shut down")
+            self._inbox.put((kind, f"{kind[:3]}-{next(self._ids)}", input, params, future))
+        return future
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationOutput:
+        return await asyncio.wrap_future(self.submit("generate", prompt, params))
+
+    async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None) -> EmbeddingOutput:
+        return await asyncio.wrap_future(self.submit("embed", text, params))
+
+    async def embed_many(self, texts: Sequence[str | Sequence[int]],
+                         params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """Submitted together, so they share the serving system's steps; outputs in input order."""
+        futures = [asyncio.wrap_future(self.submit("embed", t, params)) for t in texts]
+        return list(await asyncio.gather(*futures))
+
+    def embed_sync(self, texts: Sequence[str | Sequence[int]], params: PoolingParams | None = None,
+                   timeout_s: float | None = None) -> list[EmbeddingOutput]:
+        """Blocking `embed_many` (not from inside an event loop that other requests need)."""
+        futures = [self.submit("embed", t, params) for t in texts]
+        return [f.result(timeout_s) for f in futures]
+
+    def generate_sync(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                      timeout_s: float | None = None) -> GenerationOutput:
+        return self.submit("generate", prompt, params).result(timeout_s)
+
+    # ---- the pump thread: the only one that touches the client -------------------------------------------
+    def _pump(self) -> None:
+        last_output = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self._take_requests(block=not self._in_flight)
+                if not self._in_flight:
+                    last_output = time.monotonic()
+                    continue
+                try:
+                    outputs = self.client.poll(self.poll_s)
+                except WorkerError as exc:
+                    if not exc.request_ids:
+                        raise
+                    self._fail(exc.request_ids, RequestFailed(str(exc)))  # one rejected request; the rest go on
+                    continue
+                if outputs:
+                    last_output = time.monotonic()
+                for out in outputs:
+                    self._resolve(out)
+                if time.monotonic() - last_output > self.stall_timeout_s:
+                    raise TimeoutError(f"no output for {self.stall_timeout_s:g} s with "
+                                       f"{len(self._in_flight)} requests in flight")
+        except BaseException as exc:  # noqa: BLE001 (reported to every waiting caller)
+            logger.error("serving client failed: %s", exc)
+            failure = ClientFailed(f"the serving client failed: {type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            self._error = failure
+        finally:
+            reason = self._error or RuntimeError("the ClientBridge was shut down")
+            with self._lock:  # no submit can queue behind this drain
+                self._drained = True
+            self._fail(list(self._in_flight), reason)
+            while True:
+                try:
+                    *_, future = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                _set_exception(future, reason)
+
+    def _take_requests(self, block: bool) -> None:
+        """Hand queued requests to the client (waiting briefly for one when nothing is in flight)."""
+        while len(self._in_flight) < self.max_in_flight:
+            try:
+                kind, rid, input, params, future = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                self.client.submit(kind, rid, input, params)
+            except (ValueError, TypeError) as exc:  # bad input, refused before it reached the system
+                future.set_exception(RequestFailed(f"{type(exc).__name__}: {exc}"))
+                continue
+            except BaseException:
+                self._in_flight[rid] = future  # NOTE: the client failed; the pump fails this one with the rest
+                raise
+            self._in_flight[rid] = future
+
+    def _resolve(self, out: Output) -> None:
+        future = self._in_flight.pop(out.request_id, None)
+        if future is None:
+            logger.warning("an output for unknown request %s was dropped", out.request_id)
+            return
+        error = _error_of(out)
+        if error is not None:
+            future.set_exception(RequestFailed(f"request {out.request_id} failed: {error}"))
+        else:
+            future.set_result(out)
+
+    def _fail(self, request_ids: Sequence[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            future = self._in_flight.pop(rid, None)
+            if future is not None:
+                _set_exception(future, exc)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 30.0, close_client: bool = True) -> None:
+        """Fail what is still waiting, stop the pump and shut the client down (unless `close_client` is False:
+        its owner keeps it, e.g. a shared engine). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # NOTE: still inside the client: shutting it down here would race the pump
+            logger.warning("the bridge's pump thread did not stop within %.0f s; the client is left to it",
+                           timeout_s)
+            return
+        if close_client:
+            self.client.shutdown()
+
+    def __enter__(self) -> "ClientBridge":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _error_of(out: Output) -> str | None:
+    if isinstance(out, EmbeddingOutput):
+        return out.error or ("pooling failed" if out.finish_reason == "error" else None)
+    if out.finish_reason == "error":
+        return out.text or "generation failed"
+    if out.finish_reason == "abort":
+        return "aborted"
+    return None
+
+
+def _set_exception(future: Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
