@@ -2,6 +2,7 @@
 
     orthrus-rag run [overrides...]     answer a dataset's questions (Hydra; e.g. dataset=2wiki dataset.path=...)
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
+    orthrus-rag serve [overrides...]   the OpenAI-compatible server (e.g. serve.port=8000 serve.api_key=...)
     orthrus-rag demo                   generate and embed together on the built-in models, show the mixed steps
 """
 
@@ -79,6 +80,11 @@ def _hydra(command: str, argv: list[str]) -> int:
 def _task(command: str, cfg) -> None:  # noqa: ANN001 (a DictConfig)
     from orthrus_rag import app
 
+    if command == "serve":
+        from orthrus_rag.serving import serve
+
+        serve(cfg)
+        return
     if command == "index":
         print(f"index saved to {app.index(cfg)}")
         return
@@ -96,7 +102,7 @@ def _task(command: str, cfg) -> None:  # noqa: ANN001 (a DictConfig)
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("run", "index"):
+    if argv and argv[0] in ("run", "index", "serve"):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return _hydra(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="orthrus-rag", description=__doc__,
@@ -104,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="answer a dataset's questions (Hydra overrides follow)")
     sub.add_parser("index", help="build a dataset's retrieval index (Hydra overrides follow)")
+    sub.add_parser("serve", help="the OpenAI-compatible server (Hydra overrides follow)")
     p = sub.add_parser("demo", help="generate and embed together on the built-in models")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--embedding-model", default=None,
