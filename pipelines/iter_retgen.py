@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
@@ -58,7 +58,9 @@ class IterRetGen:
         return self.chat_template.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                       add_generation_prompt=True)
 
-    async def answer(self, ex: QAExample) -> QARecord:
+    async def answer(self, ex: QAExample,
+                     on_iteration: Callable[[IterationRecord], Awaitable[None] | None] | None = None) -> QARecord:
+        """One question; `on_iteration` (if given) sees each iteration's record as soon as it is done."""
         rec = QARecord(ex.id, ex.question, list(ex.golden_answers), ex.type, list(ex.supporting_titles))
         start = time.perf_counter()
         previous = ""
@@ -77,6 +79,10 @@ class IterRetGen:
             rec.iterations.append(IterationRecord(
                 t, query, [{"id": p.id, "title": p.title, "score": float(s)} for p, s in retrieved], prompt,
                 previous, extract_answer(previous), t1 - t0, t2 - t1))
+            if on_iteration is not None:
+                done = on_iteration(rec.iterations[-1])
+                if done is not None:
+                    await done
         rec.latency_s = time.perf_counter() - start
         rec.prediction = rec.iterations[-1].answer
         rec.em = exact_match(rec.prediction, rec.golden_answers)
