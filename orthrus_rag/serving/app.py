@@ -46,37 +46,12 @@ def build_app(aengine: AsyncEngine, served_model_name: str | None = None, api_ke
                   description="OpenAI-compatible embeddings and generations served by one co-scheduled engine")
     app.state.service, app.state.metrics = service, metrics
     install_error_handlers(app)
-    _limit_body_size(app)
+    app.add_middleware(_BodyLimit)
+    _add_routes(app, service, metrics, [Depends(_authorizer(api_key))])
+    return app
 
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise OpenAIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                              code="invalid_api_key")
 
-    def counted(kind: str):
-        """Count each request of an endpoint by its answer's status (`ok`, or the error's code)."""
-        def wrap(fn):
-            @functools.wraps(fn)  # NOTE: FastAPI reads the wrapped signature for the body and request
-            async def inner(*args: Any, **kwargs: Any) -> Any:
-                status = "error"
-                try:
-                    result = await fn(*args, **kwargs)
-                    status = "ok"
-                    return result
-                except OpenAIError as exc:
-                    status = str(exc.status)
-                    raise
-                finally:
-                    metrics.requests.labels(kind, status).inc()
-            return inner
-        return wrap
-
-    v1 = [Depends(authorize)]
-
+def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1: list) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -90,25 +65,53 @@ def build_app(aengine: AsyncEngine, served_model_name: str | None = None, api_ke
         return service.list_models()
 
     @app.post("/v1/embeddings", dependencies=v1)
-    @counted("embeddings")
+    @_counted(metrics, "embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
         return JSONResponse(await service.embeddings(body, _until_disconnect(request)))
 
     @app.post("/v1/completions", dependencies=v1)
-    @counted("completions")
+    @_counted(metrics, "completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.stream:
             return _sse(await generation.completions_stream(service, body))
         return JSONResponse(await generation.completions(service, body, _until_disconnect(request)))
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    @counted("chat")
+    @_counted(metrics, "chat")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         if body.stream:
             return _sse(await generation.chat_stream(service, body))
         return JSONResponse(await generation.chat(service, body, _until_disconnect(request)))
 
-    return app
+
+def _authorizer(api_key: str | None):
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise OpenAIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                              code="invalid_api_key")
+    return authorize
+
+
+def _counted(metrics: ServerMetrics, kind: str):
+    """Count each request of an endpoint by its answer's status (`ok`, or the error's status code)."""
+    def wrap(fn):
+        @functools.wraps(fn)  # NOTE: FastAPI reads the wrapped signature for the body and the request
+        async def inner(*args: Any, **kwargs: Any) -> Any:
+            status = "error"
+            try:
+                result = await fn(*args, **kwargs)
+                status = "ok"
+                return result
+            except OpenAIError as exc:
+                status = str(exc.status)
+                raise
+            finally:
+                metrics.requests.labels(kind, status).inc()
+        return inner
+    return wrap
 
 
 def _sse(events: Any) -> StreamingResponse:
@@ -134,10 +137,18 @@ def _until_disconnect(request: Request):
     return run
 
 
-def _limit_body_size(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def limit(request: Request, call_next):  # noqa: ANN001, ANN202
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return error_response(413, f"the request body has {size} bytes; at most {MAX_BODY_BYTES}")
-        return await call_next(request)
+class _BodyLimit:
+    """Refuse (413) a request whose declared body is larger than `max_bytes`, before anything reads it. Plain ASGI,
+    so streaming responses and disconnect notices pass through untouched."""
+
+    def __init__(self, app: Any, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = dict(scope.get("headers", ())).get(b"content-length", b"")
+            if size.isdigit() and int(size) > self.max_bytes:
+                response = error_response(413, f"the request body has {int(size)} bytes; at most {self.max_bytes}")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
