@@ -145,7 +145,7 @@ class EngineEmbedder(EmbedderMethods):
     def _embed_via_async(self, texts: list[str], params: PoolingParams) -> np.ndarray:
         refuse_inside_event_loop()
         # NOTE: the AsyncEngine starts its loop thread on first use; until then the sync engine is ours to run
-        loop: asyncio.AbstractEventLoop | None = getattr(self.aengine, "_loop", None)
+        loop = self.aengine.loop
         if loop is None:
             return _concat([_stack(self.engine.embed(list(c), params))
                             for c in batches(texts, self.batch_size, "embedding")])

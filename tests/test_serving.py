@@ -280,3 +280,21 @@ def test_api_key(served, monkeypatch):
     assert resolve_api_key(None) == "from-env" and resolve_api_key("flag") == "flag"
     monkeypatch.delenv("ORTHRUS_API_KEY")
     assert resolve_api_key(None) is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["serve.port=70000"], "serve.port must be in"),
+    (["engine=dedicated"], "serve runs one co-scheduled engine"),
+    (["serve.default_max_tokens=0"], "serve.default_max_tokens must be at least 1"),
+])
+def test_serve_command_refuses_bad_config_before_loading(overrides, message, tmp_path, capsys, monkeypatch):
+    from orthrus_rag.cli import main
+
+    def no_model(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a model was loaded for a bad config")
+
+    monkeypatch.setattr("orthrus_rag.app.build_engine", no_model)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *overrides, f"run_dir={tmp_path}"])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
