@@ -41,7 +41,6 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.adapter_slots = dict(adapter_slots or {})
-        self.default_adapter = next(iter(self.adapter_slots), None)
         self.encoder_pooling = encoder_pooling or {}
         device = torch.device(config.model.device)
         hf = model.config

@@ -6,7 +6,7 @@ It also checks the policy name where the policies live (not in config.py: config
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -14,12 +14,6 @@ from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, Scheduler
 from orthrus_rag.engine.policies import POLICIES
 
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-
-
-def option_names() -> set[str]:
-    """Every option `engine_config` accepts by name."""
-    names = {f.name for cls in _PARTS.values() for f in fields(cls)}
-    return names | {f.name for f in fields(EngineConfig) if f.name not in _PARTS}
 
 
 def engine_config(model: str = "smollm2-135m-instruct", embedding_adapters: str | Sequence[str] | None = None,
@@ -42,12 +36,6 @@ def engine_config(model: str = "smollm2-135m-instruct", embedding_adapters: str 
     config = EngineConfig(**parts, **top)
     check_policy(config.scheduler.policy)
     return config
-
-
-def engine_config_from(options: Mapping[str, Any], ignore: Sequence[str] = ()) -> EngineConfig:
-    """`engine_config` over a mapping (e.g. a Hydra node); keys in `ignore` belong to the caller, not the engine."""
-    opts = {k: v for k, v in options.items() if k not in ignore}
-    return engine_config(**opts)
 
 
 def check_policy(name: str) -> None:
