@@ -27,22 +27,19 @@ def load_examples(cfg: Any) -> list:
 def build_engine(cfg: Any):  # -> Engine
     from orthrus_rag import Engine
 
-    spec = engine_spec(cfg)
-    return Engine.from_pretrained(spec.model, embedding_adapter=list(spec.embedding_adapter),
-                                  embedding_model=spec.embedding_model, num_threads=cfg.model.num_threads,
-                                  **spec.overrides)
+    return Engine.from_config(engine_config(cfg))
 
 
-def engine_spec(cfg: Any):  # -> EngineSpec: the one engine, or each worker's of a deployment
-    from orthrus_rag.engine.deploy import EngineSpec
+def engine_config(cfg: Any):  # -> EngineConfig: the one engine, or each worker's of a deployment
+    """`cfg.model` and `cfg.engine` as an EngineConfig; every `engine.*` field but the app's own is an engine
+    option by the same name (engine/options.py owns the names)."""
+    from orthrus_rag.app_config import APP_ENGINE_FIELDS
+    from orthrus_rag.engine.options import engine_config as make
 
-    m, e = cfg.model, cfg.engine
-    adapters = (m.embedding_adapter,) if m.embedding_adapter else ()
-    return EngineSpec(m.name, adapters, m.embedding_model, {
-        "dtype": m.dtype, "device": m.device, "seed": cfg.seed, "policy": e.policy,
-        "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
-        "max_chunk_tokens": e.max_chunk_tokens, "min_share": e.min_share, "block_size": e.block_size,
-        "kv_cache_gib": e.kv_cache_gib, "enable_prefix_caching": e.enable_prefix_caching})
+    m = cfg.model
+    options = {k: cfg.engine[k] for k in cfg.engine if k not in APP_ENGINE_FIELDS}
+    return make(m.name, [m.embedding_adapter] if m.embedding_adapter else [], m.embedding_model, dtype=m.dtype,
+                device=m.device, num_threads=m.num_threads, seed=cfg.seed, **options)
 
 
 def build_backend(cfg: Any):  # -> Backend
@@ -53,7 +50,7 @@ def build_backend(cfg: Any):  # -> Backend
         return EngineBackend(build_engine(cfg), max_pending=cfg.engine.max_pending)
     threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
     logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
-    return deployment_backend(cfg.engine.serving, engine_spec(cfg), threads)
+    return deployment_backend(cfg.engine.serving, engine_config(cfg), threads)
 
 
 def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:

@@ -38,6 +38,9 @@ class ModelConf:
     num_threads: int | None = None
 
 
+APP_ENGINE_FIELDS = ("serving", "threads", "max_pending")  # EngineConf fields that are not engine options
+
+
 @dataclass
 class EngineConf:
     serving: str = "engine"  # engine: one co-scheduled engine; dedicated / disagg-pd: two worker processes
@@ -77,12 +80,25 @@ class PipelineConf:
 
 
 @dataclass
+class ServeConf:
+    """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (orthrus_rag/serving/)."""
+
+    host: str = "127.0.0.1"  # loopback by default; another address exposes the engine to the network
+    port: int = 8000
+    api_key: str | None = None  # None: the ORTHRUS_API_KEY environment variable, else no key
+    served_model_name: str | None = None  # the generation model's name in the API; None: model.name
+    default_max_tokens: int = 512  # when a request gives no max_tokens
+    log_level: str = "info"
+
+
+@dataclass
 class AppConf:
     dataset: DatasetConf = field(default_factory=DatasetConf)
     model: ModelConf = field(default_factory=ModelConf)
     engine: EngineConf = field(default_factory=EngineConf)
     retriever: RetrieverConf = field(default_factory=RetrieverConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
+    serve: ServeConf = field(default_factory=ServeConf)
     # the run's folder (records.jsonl, summary.json, config.yaml, steps.jsonl, index/); a multirun: the sweep's
     # folder, one subfolder per job
     run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from orthrus_rag.params import PoolingParams
 
 if TYPE_CHECKING:
-    from orthrus_rag.engine.deploy.bridge import ClientBridge
+    from orthrus_rag.engine.clients import ClientBridge
 
 logger = logging.getLogger(__name__)
 SERVINGS = ("engine", "dedicated", "disagg-pd")
@@ -133,13 +133,14 @@ class ClientBackend(Backend):
     def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
         from orthrus_rag.retrievers import ClientEmbedder
 
-        on_encoder = self.embedding_model is not None and document_params.adapter is None
-        # NOTE: as in the engine, the first adapter (named after its folder) is the default for backbone embeddings
-        default = Path(self.adapters[0]).name if self.adapters else None
-        adapter = None if on_encoder else (document_params.adapter or default)
-        return ClientEmbedder(self.bridge, self.model, self.embedding_model if on_encoder else None, kind=self.kind,
-                              adapters=self.adapters, adapter=adapter, document_params=document_params,
-                              query_params=query_params)
+        from orthrus_rag.engine.routing import route_embedding
+
+        # NOTE: the workers' engines name each adapter after its folder, in load order (slots from 1)
+        slots = {Path(a).name: i for i, a in enumerate(self.adapters, start=1)}
+        route = route_embedding(document_params, self.embedding_model is not None, slots)
+        return ClientEmbedder(self.bridge, self.model, self.embedding_model if route.on_encoder else None,
+                              kind=self.kind, adapters=self.adapters, adapter=route.adapter,
+                              document_params=document_params, query_params=query_params)
 
     async def aclose(self) -> None:
         import asyncio
@@ -165,16 +166,18 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model_path(model)))
 
 
-def deployment_backend(serving: str, spec: Any, threads: tuple[int, ...]) -> ClientBackend:
-    """`dedicated` or `disagg-pd` workers built from an `EngineSpec`, behind a bridge."""
-    from orthrus_rag.engine.deploy import DEPLOYMENTS, ClientBridge
+def deployment_backend(serving: str, config: Any, threads: tuple[int, ...]) -> ClientBackend:
+    """`dedicated` or `disagg-pd` workers built from an `EngineConfig`, behind a bridge."""
+    from orthrus_rag.engine.clients import ClientBridge
+    from orthrus_rag.engine.deploy import DEPLOYMENTS
 
-    deployment = DEPLOYMENTS[serving](spec, threads)
+    deployment = DEPLOYMENTS[serving](config, threads)
+    mc = config.model
     try:
-        tokenizer = load_tokenizer(spec.model)
-        encoder_pooling = encoder_pooling_of(spec.embedding_model)
+        tokenizer = load_tokenizer(mc.model)
+        encoder_pooling = encoder_pooling_of(mc.embedding_model)
     except BaseException:
         deployment.shutdown()
         raise
     return ClientBackend(f"{serving} {threads}", ClientBridge(deployment, name=f"{serving}-bridge"), tokenizer,
-                         spec.model, spec.embedding_model, list(spec.embedding_adapter), encoder_pooling)
+                         mc.model, mc.embedding_model, list(mc.embedding_adapters), encoder_pooling)

@@ -5,6 +5,7 @@
     orthrus-rag run -m engine=orthrus,hetero_fcfs ...   a sweep: one run folder per job under run_dir
     orthrus-rag summarize PATH...      table run folders (a sweep's jobs) side by side
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
+    orthrus-rag serve [overrides...]   the OpenAI-compatible server (e.g. serve.port=8000 serve.api_key=...)
     orthrus-rag demo                   generate and embed together on the built-in models, show the mixed steps
 
 Exit codes: 0 every question answered; 1 some questions failed (summary.json says which and why) or the run
@@ -147,6 +148,11 @@ def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)
 def _task(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
     from orthrus_rag import app
 
+    if command == "serve":
+        from orthrus_rag.serving import serve
+
+        serve(cfg)
+        return
     if command == "index":
         print(f"index saved to {app.index(cfg)}")
         return EXIT_OK
@@ -187,7 +193,7 @@ def summarize(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("run", "index"):
+    if argv and argv[0] in ("run", "index", "serve"):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return _hydra(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="orthrus-rag", description=__doc__,
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("index", help="build a dataset's retrieval index (Hydra overrides follow)")
     p = sub.add_parser("summarize", help="table run folders (e.g. a sweep's jobs) side by side")
     p.add_argument("paths", nargs="+", help="run folders, or folders holding them (a sweep's run_dir)")
+    sub.add_parser("serve", help="the OpenAI-compatible server (Hydra overrides follow)")
     p = sub.add_parser("demo", help="generate and embed together on the built-in models")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--embedding-model", default=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        # NOTE: NaN passes every comparison below (NaN < 0 is False): refuse it first, before it reaches a step
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
+        if not math.isfinite(self.top_p):
+            raise ValueError(f"top_p must be a finite number, got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0.0:
@@ -56,7 +62,8 @@ class PoolingParams:
     `instruction`: text prefixed to the input (query instructions, e.g. e5's "query: ").
     `append_eos`: append the tokenizer's EOS before pooling (e5-mistral style `last` pooling); default: only
     for `last`.
-    `adapter`: name of a loaded LoRA adapter; None picks the engine's default embedding adapter.
+    `adapter`: name of a loaded LoRA adapter; None picks the engine's default embedding adapter (or the separate
+    encoder); "" (`engine.routing.NO_ADAPTER`) the bare decoder backbone.
     `truncate`: cut an input longer than the model's maximum (as sentence-transformers does) instead of
     refusing it.
     `priority`: lower runs sooner (vLLM's convention). Below 0 marks latency-critical work, such as the query
@@ -78,6 +85,10 @@ class PoolingParams:
             raise ValueError(f"unknown pooling type {self.pooling!r}; expected one of {', '.join(POOLING_TYPES)}")
         if self.weights is not None and self.pooling != "weighted_mean":
             raise ValueError("weights are only used with pooling='weighted_mean'")
+        if self.weights is not None:
+            bad = [w for w in self.weights if not math.isfinite(float(w))]
+            if bad:
+                raise ValueError(f"pooling weights must be finite numbers, got {bad[:3]}")
         if self.head is not None and self.pooling != "all":
             raise ValueError("a head is only applied with pooling='all'")
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from orthrus_rag.data.types import Passage, QAExample
@@ -90,12 +90,15 @@ class IterRetGen:
         return self.chat_template.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                       add_generation_prompt=True)
 
-    async def answer(self, ex: QAExample) -> QARecord:
+    async def answer(self, ex: QAExample,
+                     on_iteration: Callable[[IterationRecord], Awaitable[None] | None] | None = None) -> QARecord:
+        """One question; `on_iteration` (if given) sees each iteration's record as soon as it is done."""
         rec = _new_record(ex)
-        await self._answer_into(rec, ex)
+        await self._answer_into(rec, ex, on_iteration)
         return rec
 
-    async def _answer_into(self, rec: QARecord, ex: QAExample) -> None:
+    async def _answer_into(self, rec: QARecord, ex: QAExample,
+                           on_iteration: Callable[[IterationRecord], Awaitable[None] | None] | None = None) -> None:
         """Fill `rec` iteration by iteration (a timed-out question keeps the iterations it finished)."""
         start = time.perf_counter()
         previous = ""
@@ -115,6 +118,10 @@ class IterRetGen:
             rec.iterations.append(IterationRecord(
                 t, query, [{"id": p.id, "title": p.title, "score": float(s)} for p, s in retrieved], prompt,
                 previous, parsed.answer, t1 - t0, t2 - t1, parsed.found))
+            if on_iteration is not None:
+                done = on_iteration(rec.iterations[-1])
+                if done is not None:
+                    await done
         rec.latency_s = time.perf_counter() - start
         rec.prediction = rec.iterations[-1].answer
         for name, value in answer_scores(rec.prediction, rec.golden_answers).items():

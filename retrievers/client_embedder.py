@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from orthrus_rag.engine.deploy.bridge import ClientBridge
+from orthrus_rag.engine.clients import ClientBridge
 from orthrus_rag.params import PoolingParams
 from orthrus_rag.retrievers.embedder import (EmbedderMethods, _concat, _stack, batches, pooling_identity,
                                              refuse_inside_event_loop)

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.engine import Engine
+from orthrus_rag.engine.routing import EmbeddingRoute
 from orthrus_rag.params import PoolingParams
 
 logger = logging.getLogger(__name__)
@@ -106,41 +107,30 @@ class EngineEmbedder(EmbedderMethods):
         if self.aengine is not None:  # NOTE: embed_many submits a whole batch; stay under the pending cap
             batch_size = min(batch_size, self.aengine.max_pending)
         self.batch_size = batch_size
-        on_encoder = self.engine.runner.encoder is not None
-        default = PoolingParams(**self.engine.encoder_pooling) if on_encoder else PoolingParams()
-        self.document_params = document_params or default
+        self.document_params = document_params or self.engine.default_pooling_params()
         self.query_params = query_params or replace(self.document_params)
         for params in (self.document_params, self.query_params):
             if params.pooling == "all" and params.head is None:
                 raise ValueError("pooling='all' without a head gives one vector per token; pass a head")
-        route = self._route(self.document_params)
-        if route != self._route(self.query_params):
-            raise ValueError(f"documents embed on {route} but queries on {self._route(self.query_params)}; "
+        route = self.engine.embedding_route(self.document_params)
+        if route != self.engine.embedding_route(self.query_params):
+            raise ValueError(f"documents embed on {route.name} but queries on "
+                             f"{self.engine.embedding_route(self.query_params).name}; "
                              "both must use the same model and adapter")
         self._lock = threading.Lock()  # the sync Engine is not thread-safe (aembed_* run it in threads)
         self.identity: dict[str, Any] = self._identity(route, dimension)
 
     # ---- identity ---------------------------------------------------------------------------------------
-    def _route(self, params: PoolingParams) -> str:
-        """Where `params` embed: "encoder", "decoder" or "decoder+<adapter>" (mirrors Engine.add_embed)."""
-        if self.engine.runner.encoder is not None and params.adapter is None:
-            return "encoder"
-        adapter = params.adapter or self.engine.default_adapter
-        return f"decoder+{adapter}" if adapter else "decoder"
-
-    def _identity(self, route: str, dimension: int | None) -> dict[str, Any]:
+    def _identity(self, route: EmbeddingRoute, dimension: int | None) -> dict[str, Any]:
         mc = self.engine.config.model
         doc, query = self.document_params, self.query_params
         if dimension is None:
             if doc.pooling == "all":  # a head may change the width: ask the engine once
                 dimension = int(self._embed_sync(["dimension probe"], doc).shape[1])
-            elif route == "encoder":
-                dimension = int(self.engine.runner.encoder.hidden_size)
             else:
-                dimension = int(self.engine.runner.model.config.hidden_size)
-        return pooling_identity("engine", mc.model, mc.embedding_model if route == "encoder" else None,
-                                list(mc.embedding_adapters), route.partition("+")[2] or None, doc, query,
-                                dimension)
+                dimension = self.engine.embedding_dimension(route)
+        return pooling_identity("engine", mc.model, mc.embedding_model if route.on_encoder else None,
+                                list(mc.embedding_adapters), route.adapter, doc, query, dimension)
 
     # ---- sync -------------------------------------------------------------------------------------------
     def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
@@ -155,7 +145,7 @@ class EngineEmbedder(EmbedderMethods):
     def _embed_via_async(self, texts: list[str], params: PoolingParams) -> np.ndarray:
         refuse_inside_event_loop()
         # NOTE: the AsyncEngine starts its loop thread on first use; until then the sync engine is ours to run
-        loop: asyncio.AbstractEventLoop | None = getattr(self.aengine, "_loop", None)
+        loop = self.aengine.loop
         if loop is None:
             return _concat([_stack(self.engine.embed(list(c), params))
                             for c in batches(texts, self.batch_size, "embedding")])

@@ -259,15 +259,16 @@ def dedicated(args: argparse.Namespace, dev: torch.device, hf: LlamaForCausalLM,
     its own copy of the model (written to a temporary checkpoint) and half the KV cache."""
     import tempfile
 
-    from orthrus_rag.engine.deploy import DedicatedDeployment, EngineSpec
+    from orthrus_rag.engine.deploy import DedicatedDeployment
+    from orthrus_rag.engine.options import engine_config
 
     with tempfile.TemporaryDirectory(prefix="gpu_bench_model_") as folder:
         hf.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        spec = EngineSpec(folder, overrides={
-            "dtype": dtype, "device": args.device, "kv_cache_gib": args.kv_cache_gib / 2,
-            "max_num_batched_tokens": args.budget, "max_chunk_tokens": min(args.budget, 2048), "max_num_seqs": 256})
-        with DedicatedDeployment(spec, threads=(1, 1)) as deployment:
+        config = engine_config(folder, dtype=dtype, device=args.device, kv_cache_gib=args.kv_cache_gib / 2,
+                               max_num_batched_tokens=args.budget, max_chunk_tokens=min(args.budget, 2048),
+                               max_num_seqs=256)
+        with DedicatedDeployment(config, threads=(1, 1)) as deployment:
             deployment.run(prompts=gens[:4], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
                            texts=texts[:4], pooling_params=pp)
             seconds = timed(dev, lambda: deployment.run(prompts=gens, sampling_params=sp, texts=texts,

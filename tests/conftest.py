@@ -61,3 +61,26 @@ def engine(smol_engine):
     yield smol_engine
     assert not smol_engine.has_unfinished()
     assert smol_engine.block_manager.num_free_blocks == smol_engine.block_manager.num_blocks
+
+
+SERVED_MAX_PENDING = 8  # small, so the queue-full (429) path is reachable with a handful of requests
+SERVED_REFERENCE_TEXTS = ["Jane Austen wrote Pride and Prejudice.", "The Nile flows north into the Mediterranean."]
+
+
+@pytest.fixture(scope="session")
+def served():
+    """One real server for the session: SmolLM2 + MiniLM behind `orthrus_rag.serving` on a free loopback port.
+    `reference`: in-process embeddings of SERVED_REFERENCE_TEXTS from the same engine, taken before it served."""
+    from types import SimpleNamespace
+
+    from orthrus_rag import Engine
+    from orthrus_rag.engine.async_engine import AsyncEngine
+    from orthrus_rag.serving import ServerThread
+
+    engine = Engine.from_pretrained(SMOL, embedding_model=MINILM, **engine_overrides())
+    reference = [o.embedding.clone() for o in engine.embed(SERVED_REFERENCE_TEXTS)]
+    aengine = AsyncEngine(engine, max_pending=SERVED_MAX_PENDING)
+    server = ServerThread(aengine, default_max_tokens=8)
+    yield SimpleNamespace(engine=engine, aengine=aengine, server=server, url=server.url, reference=reference,
+                          model=SMOL, embedding_model=MINILM)
+    server.stop()

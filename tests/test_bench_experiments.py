@@ -18,7 +18,8 @@ TINY = ["model=smollm2-135m-instruct", "workload.words=8", "workload.max_tokens=
 
 
 @pytest.fixture(scope="module")
-def benchmark():
+def bench_script():
+    # NOTE: not named `benchmark`: pytest-benchmark (which langchain-tests brings) owns that fixture name
     sys.path.insert(0, str(ROOT / "scripts"))
     import benchmark
 
@@ -47,11 +48,11 @@ def test_an_experiment_overrides_the_shared_settings_and_the_command_line_overri
     assert list(chunks.peers) == ["hf"]  # the command line's
 
 
-def test_ratio_sweep_with_a_peer(benchmark, tmp_path):
+def test_ratio_sweep_with_a_peer(bench_script, tmp_path):
     cfg = compose_bench("ratio_sweep", tmp_path, "systems=[orthrus,hetero-fcfs]", "peers=[hf]",
                         'experiment.ratios=["9:1","1:9"]', "experiment.clients=4", "experiment.duration_s=3", "experiment.warmup_s=0",
                         "++peer_options.hf.cb_num_blocks=64")
-    benchmark.run(cfg)
+    bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     got = {(r["system"], r["group"]) for r in res["rows"]}
     assert got == {(s, g) for s in ("orthrus", "hetero-fcfs", "hf") for g in ("9:1", "1:9")}
@@ -66,10 +67,10 @@ def test_ratio_sweep_with_a_peer(benchmark, tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
-def test_three_phase_accounts_for_every_phase(benchmark, tmp_path):
+def test_three_phase_accounts_for_every_phase(bench_script, tmp_path):
     cfg = compose_bench("three_phase", tmp_path, "systems=[orthrus,dedicated]", "peers=[]",
                         "experiment.per_phase=10", "experiment.clients=4")
-    benchmark.run(cfg)
+    bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     for system in ("orthrus", "dedicated"):
         phases = res["phases"][system]
@@ -80,11 +81,11 @@ def test_three_phase_accounts_for_every_phase(benchmark, tmp_path):
     assert (tmp_path / "completions.png").stat().st_size > 0
 
 
-def test_fcfs_blocking_serves_the_whole_burst(benchmark, tmp_path):
+def test_fcfs_blocking_serves_the_whole_burst(bench_script, tmp_path):
     cfg = compose_bench("fcfs_blocking", tmp_path, "systems=[hetero-fcfs,orthrus]", "peers=[]",
                         "experiment.num_generate=6", "experiment.num_embed=6", "experiment.long_max_tokens=8",
                         "engine.max_num_seqs=4", "baseline=hetero-fcfs")
-    benchmark.run(cfg)
+    bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     for r in res["rows"]:
         assert r["kinds"]["generate"]["completed"] == 6 and r["kinds"]["embed"]["completed"] == 6
@@ -92,10 +93,10 @@ def test_fcfs_blocking_serves_the_whole_burst(benchmark, tmp_path):
     assert "makespan" in (tmp_path / "table.md").read_text()
 
 
-def test_poisson_submits_on_schedule_per_rate(benchmark, tmp_path):
+def test_poisson_submits_on_schedule_per_rate(bench_script, tmp_path):
     cfg = compose_bench("poisson", tmp_path, "systems=[orthrus]", "peers=[]", "experiment.rates=[2,4]",
                         "experiment.duration_s=2")
-    benchmark.run(cfg)
+    bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     pts = res["curves"]["orthrus"]
     assert [p["offered_rps"] for p in pts] == [2.0, 4.0]
@@ -105,11 +106,11 @@ def test_poisson_submits_on_schedule_per_rate(benchmark, tmp_path):
     assert (tmp_path / "latency_throughput.png").stat().st_size > 0
 
 
-def test_iter_retgen_runs_every_system_through_the_same_app(benchmark, tmp_path):
+def test_iter_retgen_runs_every_system_through_the_same_app(bench_script, tmp_path):
     cfg = compose_bench("iter_retgen", tmp_path, "experiment.dataset_path=null", "experiment.app_experiment=smoke",
                         "experiment.limit=2", "experiment.policies=[orthrus,dedicated]", "experiment.peers=[hf]",
                         'experiment.overrides=["pipeline.max_tokens=8","pipeline.iterations=1"]')
-    benchmark.run(cfg)
+    bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["policies"]) == {"orthrus", "dedicated", "hf"}
     for s in res["policies"].values():
@@ -136,11 +137,11 @@ def test_iter_retgen_runs_every_system_through_the_same_app(benchmark, tmp_path)
     assert rows["orthrus"][2].endswith("×") and rows["orthrus"][3].endswith("×")
 
 
-def test_chunk_equivalence_matches_whole_sequence_pooling(benchmark, tmp_path):
+def test_chunk_equivalence_matches_whole_sequence_pooling(bench_script, tmp_path):
     cfg = compose_bench("chunk_equivalence", tmp_path, "experiment.poolers=[mean,last,all]",
                         "experiment.chunk_sizes=[7,64]", "experiment.num_texts=2", "experiment.words=40",
                         "experiment.short_words=12")
-    benchmark.run(cfg)
+    bench_script.run(cfg)
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert {(r["pooler"], r["chunk"]) for r in rows} == {(p, c) for p in ("mean", "last", "all") for c in (7, 64)}
     assert all(r["min_cosine"] > 0.9999 for r in rows)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from orthrus_rag.engine.deploy import InProcessClient, ServingClient
+from orthrus_rag.engine.clients import InProcessClient, ServingClient
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 from scripts.bench.driver import closed_loop, open_loop, summarize

@@ -13,7 +13,8 @@ import torch
 
 from orthrus_rag import PoolingParams, SamplingParams
 from orthrus_rag.data.types import QAExample
-from orthrus_rag.engine.deploy import ClientBridge, ClientFailed, InProcessClient, RequestFailed, WorkerError
+from orthrus_rag.engine.clients import ClientBridge, ClientFailed, InProcessClient, RequestFailed
+from orthrus_rag.engine.deploy import WorkerError
 from orthrus_rag.pipelines import IterRetGen
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.retrievers import ClientEmbedder, EngineEmbedder

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from orthrus_rag import Engine, SamplingParams
-from orthrus_rag.engine.deploy import (DedicatedDeployment, Deployment, DisaggPDDeployment, EngineSpec,
+from orthrus_rag.engine.deploy import (DedicatedDeployment, Deployment, DisaggPDDeployment,
                                        WorkerError)
 from orthrus_rag.engine.handoff import HandoffOutput
+from orthrus_rag.engine.options import engine_config
 from tests.conftest import SMOL, engine_overrides
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -109,7 +110,7 @@ def test_add_prefilled_rejects_kv_of_another_shape(engine):
 
 
 # ---- the multi-process deployments ------------------------------------------------------------------------------
-SPEC = EngineSpec(SMOL, overrides=engine_overrides(num_blocks=64))
+SPEC = engine_config(SMOL, **engine_overrides(num_blocks=64))
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,7 @@ def test_dead_worker_surfaces_and_shutdown_leaves_no_process(dedicated, disagg):
 
 def test_worker_that_cannot_start_fails_the_constructor():
     with pytest.raises(WorkerError, match=r"(prefill|decode) worker failed"):
-        DisaggPDDeployment(EngineSpec("/nonexistent/model", overrides=engine_overrides(num_blocks=8)))
+        DisaggPDDeployment(engine_config("/nonexistent/model", **engine_overrides(num_blocks=8)))
     assert mp.active_children() == []
 
 
@@ -184,5 +185,5 @@ def test_options_are_checked_in_the_caller():
     with pytest.raises(ValueError, match="threads"):
         DedicatedDeployment(SPEC, threads=(1, 0))
     with pytest.raises(ValueError, match="unknown engine option 'bogus'"):
-        DisaggPDDeployment(EngineSpec(SMOL, overrides={"bogus": 1}))
+        engine_config(SMOL, bogus=1)  # NOTE: options are checked when the config is made, before any worker
     assert mp.active_children() == []

@@ -106,8 +106,10 @@ def test_unified_homo_steps_never_mix_and_alternate():
 
 
 def test_unknown_policy_is_rejected():
+    from orthrus_rag.engine.options import engine_config
+
     with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
-        SchedulerConfig(policy="fifo")
+        engine_config(policy="fifo")
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         make_policy("fifo")
 

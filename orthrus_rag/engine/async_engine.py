@@ -113,6 +113,11 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return self._num_pending
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this engine is bound to (by its first request), or None before that."""
+        return self._loop
+
     # ---- public API (event loop) ------------------------------------------------------------------------
     async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                     request_id: str | None = None) -> EmbeddingOutput:

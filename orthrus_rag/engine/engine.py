@@ -12,23 +12,24 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 
-from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.block_manager import BlockManager
+from orthrus_rag.engine.calibration import calibrate
 from orthrus_rag.engine.detokenizer import stream_text, update_output
 from orthrus_rag.engine.handoff import HandoffOutput, restore_generator
 from orthrus_rag.engine.input_processor import InputProcessor
 from orthrus_rag.engine.prefix_cache import PrefixCachingBlockManager
 from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
+from orthrus_rag.engine.routing import EmbeddingRoute, route_embedding
 from orthrus_rag.engine.runner import ModelRunner
 from orthrus_rag.engine.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.stats import StepStats
-from orthrus_rag.engine.step_cost import StepCostModel, calibrate
+from orthrus_rag.engine.step_cost import StepCostModel
 from orthrus_rag.layers.sampler import make_generator
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, RequestMetrics
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -44,7 +45,6 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.adapter_slots = dict(adapter_slots or {})
-        self.default_adapter = next(iter(self.adapter_slots), None)
         self.encoder_pooling = encoder_pooling or {}
         device = torch.device(config.model.device)
         hf = model.config
@@ -82,12 +82,20 @@ class Engine:
         """Load a decoder (built-in name, folder, .gguf or hub id), optional PEFT embedding adapters and an
         optional separate encoder. `overrides` set EngineConfig fields or sub-config fields by name
         (e.g. `max_num_batched_tokens=128`, `num_blocks=512`, `dtype="bfloat16"`)."""
-        from orthrus_rag.engine.loading import build_engine
+        from orthrus_rag.engine.options import engine_config
 
-        adapters = [embedding_adapter] if isinstance(embedding_adapter, str) else list(embedding_adapter or [])
-        config = _config_from_overrides(ModelConfig(model=model, embedding_adapters=adapters,
-                                                    embedding_model=embedding_model), overrides)
-        return build_engine(config)
+        return cls.from_config(engine_config(model, embedding_adapter, embedding_model, **overrides))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        """Load the weights `config` names and build the engine (the one way every caller builds one)."""
+        from orthrus_rag.engine.loading import load_models
+        from orthrus_rag.engine.options import check_policy
+
+        check_policy(config.scheduler.policy)  # NOTE: before any weights load
+        loaded = load_models(config)
+        return cls(config, loaded.model, loaded.tokenizer, loaded.adapter_slots, loaded.encoder,
+                   loaded.encoder_tokenizer, loaded.encoder_pooling)
 
     # ---- submission -------------------------------------------------------------------------------------
     def _new_id(self, prefix: str) -> str:
@@ -138,19 +146,36 @@ class Engine:
 
     def add_embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                   request_id: str | None = None) -> str:
-        on_encoder = self.runner.encoder is not None and (params is None or params.adapter is None)
-        if params is None:
-            params = PoolingParams(**self.encoder_pooling) if on_encoder else PoolingParams()
-        slot = 0
-        if not on_encoder:
-            name = params.adapter or self.default_adapter
-            if name is not None and name not in self.adapter_slots:
-                raise ValueError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_slots) or 'none'}")
-            slot = self.adapter_slots.get(name, 0) if name else 0
-        ids = self.inputs.embed_input(text, params, on_encoder)
+        route = self.embedding_route(params)
+        params = params if params is not None else self.default_pooling_params()
+        ids = self.inputs.embed_input(text, params, route.on_encoder)
         req = Request(request_id or self._new_id("emb"), RequestKind.EMBED, ids, pooling_params=params,
-                      adapter_slot=slot, on_encoder=on_encoder)
+                      adapter_slot=route.slot, on_encoder=route.on_encoder)
         return self._add(req)
+
+    # ---- what an embedding runs on (public: embedders and servers ask, never the runner) -------------------
+    @property
+    def has_encoder(self) -> bool:
+        return self.runner.encoder is not None
+
+    def embedding_route(self, params: PoolingParams | None = None) -> EmbeddingRoute:
+        """Where an embedding with `params` runs (ValueError for an unknown adapter)."""
+        return route_embedding(params, self.has_encoder, self.adapter_slots)
+
+    def default_pooling_params(self) -> PoolingParams:
+        """The pooling of an embedding submitted without params: the encoder's own, else mean + L2."""
+        return PoolingParams(**self.encoder_pooling) if self.has_encoder else PoolingParams()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of final backbone hidden states (e.g. rows of a pooling="all" embedding of a prompt
+        and its output, to score tokens); call it on the engine's thread, such as inside a pooling head."""
+        return self.runner.model.compute_logits(hidden)
+
+    def embedding_dimension(self, route: EmbeddingRoute) -> int:
+        """The width of the hidden states `route` pools (a pooling head may change it)."""
+        if route.on_encoder:
+            return int(self.runner.encoder.hidden_size)
+        return int(self.runner.model.config.hidden_size)
 
     def _add(self, req: Request) -> str:
         if req.req_id in self.requests:
@@ -258,13 +283,20 @@ class Engine:
             for rid in gen_ids + emb_ids:
                 self.abort(rid)
             raise
-        outputs = self.run_until_done()
+        try:
+            outputs = self.run_until_done()
+        except BaseException:
+            # NOTE: a failed step (or an interrupt) must not leave this call's requests queued: every later call
+            # would run into them again. Abort them (blocks freed) and let the error through.
+            for rid in gen_ids + emb_ids:
+                self.abort(rid)
+            raise
         failed = [f"{i}: {outputs[i].error}" for i in emb_ids if outputs[i].error]
         if failed:
             raise RuntimeError(f"{len(failed)} embedding(s) failed: {'; '.join(failed[:3])}")
         return [outputs[i] for i in gen_ids], [outputs[i] for i in emb_ids]
 
-    # ---- the Deployment protocol (orthrus_rag.engine.deployments): an in-process engine holds no workers --------
+    # ---- the Deployment protocol (orthrus_rag.engine.deploy): an in-process engine holds no workers -----------
     def shutdown(self) -> None:
         """Nothing to release in-process; lets benchmarks treat an Engine like the multi-process deployments."""
 
@@ -280,16 +312,3 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return sum(2 * layer.num_kv_heads * layer.head_dim * itemsize for layer in model.attention_layers)
 
-
-def _config_from_overrides(model: ModelConfig, overrides: dict[str, Any]) -> EngineConfig:
-    parts: dict[str, Any] = {"model": model, "cache": CacheConfig(), "scheduler": SchedulerConfig()}
-    top: dict[str, Any] = {}
-    for key, value in overrides.items():
-        target = next((name for name, obj in parts.items() if hasattr(obj, key)), None)
-        if target is not None:
-            parts[target] = replace(parts[target], **{key: value})
-        elif key in EngineConfig.__dataclass_fields__:
-            top[key] = value
-        else:
-            raise ValueError(f"unknown engine option {key!r}")
-    return EngineConfig(**parts, **top)

@@ -1,14 +1,17 @@
-"""Build an Engine from an EngineConfig: resolve and load the decoder, adapters, encoder and tokenizers."""
+"""Load what an Engine runs from an EngineConfig: the decoder, adapters, encoder and tokenizers.
+
+NOTE: this module does not import the engine (`Engine.from_config` calls it), so the two never form a cycle."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.engine.engine import Engine
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
 from orthrus_rag.machine import machine_key, remembered
@@ -19,7 +22,19 @@ from orthrus_rag.models.registry import cache_root, resolve_model_path
 logger = logging.getLogger(__name__)
 
 
-def build_engine(config: EngineConfig) -> Engine:
+@dataclass
+class LoadedModels:
+    """`Engine.__init__`'s arguments after the config."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    adapter_slots: dict[str, int] = field(default_factory=dict)
+    encoder: torch.nn.Module | None = None
+    encoder_tokenizer: Any = None
+    encoder_pooling: dict = field(default_factory=dict)
+
+
+def load_models(config: EngineConfig) -> LoadedModels:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
@@ -47,7 +62,7 @@ def build_engine(config: EngineConfig) -> Engine:
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:
             pack_linears(encoder)
-    return Engine(config, model, tokenizer, slots, encoder, encoder_tokenizer, encoder_pooling)
+    return LoadedModels(model, tokenizer, slots, encoder, encoder_tokenizer, encoder_pooling)
 
 
 def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device: str) -> bool:

@@ -7,15 +7,13 @@ prompt and embedding tokens fit beside a step's decodes before the step outgrows
 
 The model is linear in four features (1, decoder tokens, attention pairs Σ new x keys in thousands, encoder
 tokens), fitted by recursive least squares with forgetting, so it follows the machine it runs on: first from a
-few timed steps at start-up (`calibrate`), then from every measured step.
+few timed steps at start-up (engine/calibration.py), then from every measured step.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -78,32 +76,3 @@ class StepCostModel:
         return (f"{t[0] * 1e3:.1f} ms + {t[1] * 1e3:.3f} ms/token + {t[2] * 1e3:.4f} ms/1k pairs + "
                 f"{t[3] * 1e3:.3f} ms/encoder token ({self.num_observed} steps)")
 
-
-def calibrate(runner: Any, model: StepCostModel, max_tokens: int, max_seconds: float = 1.0) -> None:
-    """Fit `model` to a few timed forwards of `runner`'s real model, within about `max_seconds`.
-
-    The steps are made of throw-away single-chunk embedding requests: those need no KV blocks, so calibration
-    touches no request and no block of the engine.
-    """
-    from orthrus_rag.engine.request import Request, RequestKind
-    from orthrus_rag.engine.scheduler import ScheduledRequest, SchedulerOutput
-    from orthrus_rag.params import PoolingParams
-
-    def step(num_seqs: int, length: int) -> SchedulerOutput:
-        reqs = [Request(f"calibrate-{i}", RequestKind.EMBED, [0] * length,
-                        pooling_params=PoolingParams(normalize=False)) for i in range(num_seqs)]
-        return SchedulerOutput(scheduled=[ScheduledRequest(r, length) for r in reqs])
-
-    shapes = [(1, 1), (16, 1), (1, 64), (2, 128), (1, max_tokens)]
-    start = time.perf_counter()
-    runner.execute(step(1, 1))  # warm-up: first-call allocations are not a step's cost
-    for num_seqs, length in shapes:
-        if num_seqs * length > max_tokens:
-            continue
-        if time.perf_counter() - start > max_seconds:
-            break
-        sched = step(num_seqs, length)
-        t = time.perf_counter()
-        runner.execute(sched)
-        model.observe(sched.shape(), time.perf_counter() - t)
-    logger.info("step cost calibrated in %.2f s: %s", time.perf_counter() - start, model.describe())

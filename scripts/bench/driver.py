@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orthrus_rag.engine.deploy.client import ServingClient
+from orthrus_rag.engine.clients import ServingClient
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 
 from .workloads import RequestSpec

@@ -28,7 +28,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from orthrus_rag.engine.deploy import SYSTEMS, EngineSpec, ServingClient, make_client
+from orthrus_rag.config import EngineConfig
+from orthrus_rag.engine.clients import SYSTEMS, ServingClient, make_client
+from orthrus_rag.engine.options import engine_config as make_engine_config
 
 from .driver import RunResult
 from .peer_client import PEERS, make_peer
@@ -53,11 +55,9 @@ class Session:
         self.client.shutdown()
 
 
-def engine_spec(cfg: DictConfig) -> EngineSpec:
-    e = cfg.engine
-    return EngineSpec(cfg.model, overrides={
-        "max_num_batched_tokens": e.max_num_batched_tokens, "max_chunk_tokens": e.max_chunk_tokens,
-        "max_num_seqs": e.max_num_seqs, "num_blocks": e.num_blocks, "min_share": e.min_share})
+def engine_config(cfg: DictConfig) -> EngineConfig:
+    """Every field of the experiment's `engine:` node is an engine option by the same name."""
+    return make_engine_config(cfg.model, **OmegaConf.to_container(cfg.engine, resolve=True))
 
 
 def system_factory(system: str, cfg: DictConfig) -> Callable[[], ServingClient]:
@@ -69,8 +69,8 @@ def system_factory(system: str, cfg: DictConfig) -> Callable[[], ServingClient]:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))}")
     threads = tuple(cfg.threads.split) if system in ("dedicated", "disagg-pd") else cfg.threads.inproc
-    spec = engine_spec(cfg)
-    return lambda: make_client(system, spec, threads)
+    config = engine_config(cfg)
+    return lambda: make_client(system, config, threads)
 
 
 def workload(cfg: DictConfig, **changes: Any) -> Workload:

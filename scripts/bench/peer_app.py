@@ -55,7 +55,7 @@ def peer_backend(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) 
 
     from orthrus_rag.app_config import validate
     from orthrus_rag.backends import ClientBackend, encoder_pooling_of, load_tokenizer
-    from orthrus_rag.engine.deploy import ClientBridge
+    from orthrus_rag.engine.clients import ClientBridge
 
     validate(cfg)  # before the peer's engines start
     m = cfg.model

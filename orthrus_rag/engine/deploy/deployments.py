@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.engine.deploy.spec import EngineSpec, Inputs, WorkerError, WorkItem, dumps, loads
+from orthrus_rag.engine.deploy.spec import Inputs, WorkerError, WorkItem, dumps, loads
 from orthrus_rag.engine.deploy.worker import worker_main
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -37,14 +37,12 @@ class _ProcessDeployment:
     ROUTE: ClassVar[dict[str, str]]  # request kind -> role of the worker that receives it
     HANDOFF: ClassVar[dict[str, str]] = {}  # role -> role it hands generations to
 
-    def __init__(self, spec: EngineSpec | EngineConfig, threads: Sequence[int] = (1, 1),
+    def __init__(self, config: EngineConfig, threads: Sequence[int] = (1, 1),
                  startup_timeout_s: float = 300.0, stall_timeout_s: float = 300.0) -> None:
         threads = tuple(threads)
         if len(threads) != len(self.ROLES) or any(not isinstance(t, int) or t < 1 for t in threads):
             raise ValueError(f"threads must be {len(self.ROLES)} positive ints ({', '.join(self.ROLES)}), "
                              f"got {threads}")
-        if isinstance(spec, EngineSpec):
-            spec.config()  # NOTE: bad options fail here, in the caller, not in a worker
         self.stall_timeout_s = stall_timeout_s
         self._closed = False
         self._batch_ids = itertools.count()
@@ -59,7 +57,7 @@ class _ProcessDeployment:
             for role, num_threads in zip(self.ROLES, threads):
                 target = self._inboxes[self.HANDOFF[role]] if role in self.HANDOFF else None
                 proc = ctx.Process(target=worker_main, name=f"orthrus-{role}", daemon=True,
-                                   args=(spec, role, num_threads, self._inboxes[role], self._results, target))
+                                   args=(config, role, num_threads, self._inboxes[role], self._results, target))
                 proc.start()
                 self._procs[role] = proc
             ready: set[str] = set()
@@ -98,7 +96,7 @@ class _ProcessDeployment:
                     inbox.put(dumps(("abort", batch)))
             raise
 
-    # ---- the ServingClient protocol (orthrus_rag.engine.deploy.client): one request at a time ------------------
+    # ---- the ServingClient protocol (orthrus_rag.engine.clients): one request at a time -----------------------
     def submit(self, kind: str, request_id: str, input: str | Sequence[int],
                params: SamplingParams | PoolingParams | None) -> None:
         """Send one request to the worker its kind routes to; its output comes back from `poll`. NOTE: do not

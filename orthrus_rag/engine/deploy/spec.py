@@ -1,13 +1,14 @@
-"""What the deployments share: the `Deployment` protocol, the picklable engine recipe, work items and errors."""
+"""What the deployments share: the `Deployment` protocol, work items, errors, and how a worker builds its engine
+(from a picklable `EngineConfig`, made by `orthrus_rag.engine.options.engine_config`)."""
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from orthrus_rag.config import EngineConfig, ModelConfig
+from orthrus_rag.config import EngineConfig
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
@@ -35,29 +36,11 @@ class Deployment(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """`Engine.from_pretrained` arguments: a recipe a spawned worker process can rebuild an engine from."""
-
-    model: str = "smollm2-135m-instruct"
-    embedding_adapter: tuple[str, ...] = ()
-    embedding_model: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    def config(self) -> EngineConfig:
-        from orthrus_rag.engine.engine import _config_from_overrides
-
-        model = ModelConfig(model=self.model, embedding_adapters=list(self.embedding_adapter),
-                            embedding_model=self.embedding_model)
-        return _config_from_overrides(model, self.overrides)
-
-
-def build_engine_for(spec: EngineSpec | EngineConfig, num_threads: int) -> "Engine":
+def build_engine_for(config: EngineConfig, num_threads: int) -> "Engine":
     """The engine a worker runs, with torch limited to `num_threads` intra-op threads."""
-    from orthrus_rag.engine.loading import build_engine
+    from orthrus_rag.engine.engine import Engine
 
-    config = spec.config() if isinstance(spec, EngineSpec) else spec
-    return build_engine(replace(config, num_threads=num_threads))
+    return Engine.from_config(replace(config, num_threads=num_threads))
 
 
 @dataclass

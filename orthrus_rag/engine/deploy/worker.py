@@ -21,21 +21,21 @@ import torch
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.engine import Engine, Output
 from orthrus_rag.engine.handoff import HandoffOutput
-from orthrus_rag.engine.deploy.spec import EngineSpec, WorkItem, build_engine_for, dumps, loads
+from orthrus_rag.engine.deploy.spec import WorkItem, build_engine_for, dumps, loads
 from orthrus_rag.outputs import EmbeddingOutput
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.5  # how often an idle worker checks that its parent is still alive
 
 
-def worker_main(spec: EngineSpec | EngineConfig, role: str, num_threads: int, inbox: Any, results: Any,
+def worker_main(config: EngineConfig, role: str, num_threads: int, inbox: Any, results: Any,
                 handoff_to: Any = None) -> None:
     """Entry point of a spawned worker: build the engine, then serve until told to stop or the parent is gone.
     With `handoff_to` (a prefill worker), generations go to that queue once their first token is sampled."""
     stopped = False
     try:
         torch.set_num_threads(num_threads)
-        engine = build_engine_for(spec, num_threads)
+        engine = build_engine_for(config, num_threads)
         results.put(dumps(("ready", role, None, None)))
         _Worker(engine, role, inbox, results, handoff_to).serve()
         stopped = True

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from orthrus_rag.engine.deploy import SYSTEMS
+from orthrus_rag.engine.clients import SYSTEMS
 
 from ..harness import ROOT, peer_python
 from ..peer_client import PEERS

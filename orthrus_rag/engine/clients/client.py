@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.deploy.deployments import DEPLOYMENTS
-from orthrus_rag.engine.deploy.spec import EngineSpec, build_engine_for
+from orthrus_rag.engine.deploy.spec import build_engine_for
 from orthrus_rag.engine.policies import POLICIES
 from orthrus_rag.engine.stats import StepStats
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
@@ -83,16 +85,15 @@ class InProcessClient:
         self.engine.shutdown()
 
 
-def make_client(system: str, spec: EngineSpec, threads: int | Sequence[int] | None = None) -> ServingClient:
-    """A client for `system` (one of SYSTEMS) built from `spec`. `threads`: torch threads of the in-process
+def make_client(system: str, config: EngineConfig, threads: int | Sequence[int] | None = None) -> ServingClient:
+    """A client for `system` (one of SYSTEMS) built from `config` (an in-process system replaces its policy). `threads`: torch threads of the in-process
     engine (default 2), or per worker of a two-process deployment (default 1 each)."""
     if system in IN_PROCESS_SYSTEMS:
         num_threads = 2 if threads is None else (threads if isinstance(threads, int) else sum(threads))
-        policy_spec = EngineSpec(spec.model, spec.embedding_adapter, spec.embedding_model,
-                                 {**spec.overrides, "policy": system})
-        return InProcessClient(build_engine_for(policy_spec, num_threads))
+        policy = replace(config, scheduler=replace(config.scheduler, policy=system))
+        return InProcessClient(build_engine_for(policy, num_threads))
     if system in DEPLOYMENTS:
         per_worker = (1, 1) if threads is None else ((threads, threads) if isinstance(threads, int)
                                                      else tuple(threads))
-        return DEPLOYMENTS[system](spec, per_worker)
+        return DEPLOYMENTS[system](config, per_worker)
     raise ValueError(f"unknown system {system!r}; expected one of {', '.join(SYSTEMS)}")

@@ -1,0 +1,43 @@
+"""The one place that turns engine options by name (`max_num_batched_tokens=128`, `policy="hetero-fcfs"`, ...) into
+an `EngineConfig`. `Engine.from_pretrained`, the app, the server, the deployments and the benchmark harness all
+build their config here, so a new engine setting needs no edit anywhere else.
+
+It also checks the policy name where the policies live (not in config.py: config must not import upward)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from orthrus_rag.engine.policies import POLICIES
+
+_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def engine_config(model: str = "smollm2-135m-instruct", embedding_adapters: str | Sequence[str] | None = None,
+                  embedding_model: str | None = None, **options: Any) -> EngineConfig:
+    """An `EngineConfig` from a model and options named like the fields of its sub-configs; an unknown name or
+    policy is a ValueError before any weights load."""
+    adapters = [embedding_adapters] if isinstance(embedding_adapters, str) else list(embedding_adapters or [])
+    parts: dict[str, Any] = {"model": ModelConfig(model=model, embedding_adapters=adapters,
+                                                  embedding_model=embedding_model),
+                             "cache": CacheConfig(), "scheduler": SchedulerConfig()}
+    top: dict[str, Any] = {}
+    for key, value in options.items():
+        target = next((name for name, obj in parts.items() if key in {f.name for f in fields(obj)}), None)
+        if target is not None:
+            parts[target] = replace(parts[target], **{key: value})
+        elif key in EngineConfig.__dataclass_fields__ and key not in _PARTS:
+            top[key] = value
+        else:
+            raise ValueError(f"unknown engine option {key!r}")
+    config = EngineConfig(**parts, **top)
+    check_policy(config.scheduler.policy)
+    return config
+
+
+def check_policy(name: str) -> None:
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; expected one of {', '.join(POLICIES)}")

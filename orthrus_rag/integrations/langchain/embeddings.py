@@ -1,0 +1,46 @@
+"""`OrthrusEmbeddings`: LangChain `Embeddings` served by the co-scheduled engine (in-process or by base URL)."""
+
+from __future__ import annotations
+
+from langchain_core.embeddings import Embeddings
+
+from orthrus_rag.integrations.langchain._base import OrthrusConnection
+
+
+class OrthrusEmbeddings(OrthrusConnection, Embeddings):
+    """Embeddings of documents and queries through the engine's /v1/embeddings semantics.
+
+    ```python
+    emb = OrthrusEmbeddings(engine=engine)                      # in-process
+    emb = OrthrusEmbeddings(base_url="http://127.0.0.1:8000/v1", model="all-minilm-l6-v2")
+    emb.embed_query("who wrote Pride and Prejudice?")
+    ```
+    """
+
+    model: str | None = None
+    """The embedding model's served name; None: the server's (first) embedding model."""
+    batch_size: int = 256
+    """Texts per request."""
+
+    def _model(self) -> str:
+        return self.model or self.transport.embedding_models[0]
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        texts = list(texts)
+        out: list[list[float]] = []
+        for start in range(0, len(texts), self.batch_size):
+            out.extend(self.transport.embed(texts[start:start + self.batch_size], self._model()))
+        return out
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.transport.embed([text], self._model())[0]
+
+    async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        texts = list(texts)
+        out: list[list[float]] = []
+        for start in range(0, len(texts), self.batch_size):
+            out.extend(await self.transport.aembed(texts[start:start + self.batch_size], self._model()))
+        return out
+
+    async def aembed_query(self, text: str) -> list[float]:
+        return (await self.transport.aembed([text], self._model()))[0]

@@ -1,0 +1,90 @@
+"""`OrthrusRetriever`: a LangChain retriever over the project's FAISS `DenseRetriever`, and `LangChainEmbedder`,
+which lets that retriever embed through any LangChain `Embeddings` (e.g. `OrthrusEmbeddings` against a server)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field
+
+from orthrus_rag.data.types import Passage
+from orthrus_rag.retrievers import DenseRetriever
+
+
+class LangChainEmbedder:
+    """The retriever's `Embedder` protocol over a LangChain `Embeddings`. `identity` names what built the
+    vectors, so an index saved with one is not searched with another."""
+
+    def __init__(self, embeddings: Embeddings, name: str | None = None) -> None:
+        self.embeddings = embeddings
+        model = getattr(embeddings, "model", None)
+        self.identity: dict[str, Any] = {"kind": "langchain", "class": type(embeddings).__name__,
+                                         "model": name or model}
+
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        return _matrix(self.embeddings.embed_documents(list(texts)))
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return np.asarray(self.embeddings.embed_query(text), dtype=np.float32)
+
+    async def aembed_documents(self, texts: list[str]) -> np.ndarray:
+        return _matrix(await self.embeddings.aembed_documents(list(texts)))
+
+    async def aembed_query(self, text: str) -> np.ndarray:
+        return np.asarray(await self.embeddings.aembed_query(text), dtype=np.float32)
+
+
+def _matrix(rows: Sequence[Sequence[float]]) -> np.ndarray:
+    return np.asarray(rows, dtype=np.float32).reshape(len(rows), -1)
+
+
+def _document(passage: Passage, score: float) -> Document:
+    return Document(page_content=passage.text, id=passage.id,
+                    metadata={"id": passage.id, "title": passage.title, "score": score})
+
+
+class OrthrusRetriever(BaseRetriever):
+    """Top-`k` passages of a FAISS index as `Document`s (`metadata`: id, title, score).
+
+    ```python
+    retriever = OrthrusRetriever.from_texts(texts, OrthrusEmbeddings(engine=engine), k=3)
+    chain = {"context": retriever, "question": RunnablePassthrough()} | prompt | ChatOrthrus(engine=engine)
+    ```
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: Any = Field(exclude=True)
+    """A built `orthrus_rag.retrievers.DenseRetriever` (its embedder embeds the queries)."""
+    k: int = Field(default=4, ge=1)
+    """Passages per query."""
+
+    @classmethod
+    def from_passages(cls, passages: Sequence[Passage], embeddings: Embeddings, k: int = 4,
+                      index_type: str = "flat", **retriever_kwargs: Any) -> "OrthrusRetriever":
+        dense = DenseRetriever(LangChainEmbedder(embeddings), index_type=index_type, **retriever_kwargs)
+        dense.build(list(passages))
+        return cls(retriever=dense, k=k)
+
+    @classmethod
+    def from_texts(cls, texts: Sequence[str], embeddings: Embeddings, titles: Sequence[str] | None = None,
+                   k: int = 4, **kwargs: Any) -> "OrthrusRetriever":
+        titles = list(titles) if titles is not None else [""] * len(texts)
+        if len(titles) != len(texts):
+            raise ValueError(f"{len(titles)} titles for {len(texts)} texts")
+        passages = [Passage(str(i), title, text) for i, (title, text) in enumerate(zip(titles, texts))]
+        return cls.from_passages(passages, embeddings, k=k, **kwargs)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                **kwargs: Any) -> list[Document]:
+        return [_document(p, s) for p, s in self.retriever.search(query, kwargs.get("k", self.k))]
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       **kwargs: Any) -> list[Document]:
+        return [_document(p, s) for p, s in await self.retriever.asearch(query, kwargs.get("k", self.k))]

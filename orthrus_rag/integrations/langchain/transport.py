@@ -1,0 +1,268 @@
+"""How the LangChain components reach an engine: in-process (`LocalOrthrus`, one shared AsyncEngine) or over
+HTTP (`RemoteOrthrus`, the official `openai` client against `orthrus-rag serve`). Both speak the OpenAI API's
+dicts, and the in-process path runs the server's own `OpenAIService`, so a component behaves the same either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import weakref
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.engine.engine import Engine
+from orthrus_rag.serving import generation
+from orthrus_rag.serving.errors import OpenAIError
+from orthrus_rag.serving.schemas import ChatCompletionRequest, EmbeddingRequest
+from orthrus_rag.serving.service import OpenAIService, vector_of
+
+T = TypeVar("T")
+
+
+class OrthrusAPIError(RuntimeError):
+    """An in-process request the server would have answered with an error status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class Transport(Protocol):
+    generation_model: str
+    embedding_models: list[str]
+
+    def embed(self, texts: list[str], model: str) -> list[list[float]]: ...
+
+    async def aembed(self, texts: list[str], model: str) -> list[list[float]]: ...
+
+    def chat(self, payload: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def achat(self, payload: dict[str, Any]) -> dict[str, Any]: ...
+
+    def chat_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]: ...
+
+    def achat_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
+
+# ---- in-process ------------------------------------------------------------------------------------------------
+class LocalOrthrus:
+    """One `AsyncEngine` on a private event-loop thread, shared by every component built on the same engine
+    (`LocalOrthrus.of(engine)`), so their embeddings and generations meet in the same steps. Calls from any
+    thread or event loop hop onto that loop."""
+
+    _shared: "weakref.WeakKeyDictionary[Engine, LocalOrthrus]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, engine: Engine | AsyncEngine, served_model_name: str | None = None,
+                 max_pending: int = 1024) -> None:
+        self.aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_pending=max_pending)
+        self.service = OpenAIService(self.aengine, served_model_name)
+        self.generation_model = self.service.models.generation
+        self.embedding_models = list(self.service.models.embedding)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="orthrus-langchain-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def of(cls, engine: "Engine | AsyncEngine | LocalOrthrus") -> "LocalOrthrus":
+        """The one LocalOrthrus of `engine` (made on first use)."""
+        if isinstance(engine, LocalOrthrus):
+            return engine
+        key = engine.engine if isinstance(engine, AsyncEngine) else engine
+        with cls._lock:
+            local = cls._shared.get(key)
+            if local is None:
+                local = cls._shared[key] = cls(engine)
+            return local
+
+    # ---- running on the engine's loop -----------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the engine's loop and wait (not from that loop itself)."""
+        return _unwrap(lambda: self.submit(coro).result())
+
+    async def acall(self, coro: Coroutine[Any, Any, T]) -> T:
+        if asyncio.get_running_loop() is self.loop:
+            return await coro
+        future = self.submit(coro)
+        try:
+            return await _aunwrap(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            future.cancel()  # NOTE: cancels the task on the engine's loop too, which aborts its requests
+            raise
+
+    def close(self) -> None:
+        """Shut the AsyncEngine and its loop down (the sync Engine stays usable)."""
+        if self.loop.is_closed():
+            return
+        self.call(self.aengine.shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    # ---- the OpenAI API ----------------------------------------------------------------------------------------
+    async def _embed(self, texts: list[str], model: str) -> list[list[float]]:
+        body = await self.service.embeddings(EmbeddingRequest(model=model, input=texts))
+        return [item["embedding"] for item in body["data"]]
+
+    def embed(self, texts: list[str], model: str) -> list[list[float]]:
+        return self.call(self._embed(texts, model))
+
+    async def aembed(self, texts: list[str], model: str) -> list[list[float]]:
+        return await self.acall(self._embed(texts, model))
+
+    def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return self.call(generation.chat(self.service, ChatCompletionRequest.model_validate(payload)))
+
+    async def achat(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return await self.acall(generation.chat(self.service, ChatCompletionRequest.model_validate(payload)))
+
+    async def _events(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The chunks the HTTP route would send, as dicts (on the engine's loop)."""
+        events = await generation.chat_stream(self.service, ChatCompletionRequest.model_validate(payload))
+        async for event in events:
+            data = event.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                return
+            body = json.loads(data)
+            if "error" in body:
+                raise OrthrusAPIError(500, body["error"]["message"])
+            yield body
+
+    def chat_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        gen = self._events(payload)
+        try:
+            while (item := self.call(_next(gen))) is not _END:
+                yield item
+        finally:  # NOTE: a consumer that stops early aborts the request on the engine's loop
+            self.submit(_close(gen)).result(30)
+
+    async def achat_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        gen = self._events(payload)
+        try:
+            while (item := await self.acall(_next(gen))) is not _END:
+                yield item
+        finally:
+            await self.acall(_close(gen))
+
+    async def agenerate(self, prompt: str, params: Any) -> Any:
+        """A plain generation (Iter-RetGen's `generate`), on the engine's loop."""
+        return await self.acall(self.aengine.generate(prompt, params))
+
+
+_END = object()
+
+
+async def _next(gen: AsyncIterator[Any]) -> Any:
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _close(gen: Any) -> None:
+    await gen.aclose()
+
+
+def _unwrap(fn: Any) -> Any:
+    try:
+        return fn()
+    except OpenAIError as exc:
+        raise OrthrusAPIError(exc.status, exc.message) from None
+
+
+async def _aunwrap(awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except OpenAIError as exc:
+        raise OrthrusAPIError(exc.status, exc.message) from None
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------------------
+class RemoteOrthrus:
+    """`orthrus-rag serve` at `base_url` (e.g. http://127.0.0.1:8000/v1) through the official openai client."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None,
+                 max_retries: int = 2) -> None:
+        import openai
+
+        kwargs: dict[str, Any] = {"base_url": base_url, "api_key": api_key or "none", "max_retries": max_retries}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        self._kwargs = kwargs
+        self.client = openai.OpenAI(**kwargs)
+        # NOTE: an async client's connections belong to one event loop; each loop (e.g. each asyncio.run) gets its own
+        self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+        self._models: list[str] | None = None
+
+    @property
+    def aclient(self) -> Any:
+        import openai
+
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(loop)
+        if client is None:
+            client = self._aclients[loop] = openai.AsyncOpenAI(**self._kwargs)
+        return client
+
+    @property
+    def generation_model(self) -> str:
+        return self._model_ids()[0]  # NOTE: the server lists its generation model first
+
+    @property
+    def embedding_models(self) -> list[str]:
+        return self._model_ids()[1:] or self._model_ids()[:1]
+
+    def _model_ids(self) -> list[str]:
+        if self._models is None:
+            self._models = [m.id for m in self.client.models.list()]
+        return self._models
+
+    def embed(self, texts: list[str], model: str) -> list[list[float]]:
+        out = self.client.embeddings.create(model=model, input=texts, encoding_format="base64")
+        return [vector_of(d.embedding).tolist() for d in sorted(out.data, key=lambda d: d.index)]
+
+    async def aembed(self, texts: list[str], model: str) -> list[list[float]]:
+        out = await self.aclient.embeddings.create(model=model, input=texts, encoding_format="base64")
+        return [vector_of(d.embedding).tolist() for d in sorted(out.data, key=lambda d: d.index)]
+
+    def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return self.client.chat.completions.create(**payload).model_dump()
+
+    async def achat(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return (await self.aclient.chat.completions.create(**payload)).model_dump()
+
+    def chat_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        with self.client.chat.completions.create(**payload, stream=True) as stream:
+            for chunk in stream:
+                yield chunk.model_dump()
+
+    async def achat_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        stream = await self.aclient.chat.completions.create(**payload, stream=True)
+        async with stream:
+            async for chunk in stream:
+                yield chunk.model_dump()
+
+    async def agenerate(self, prompt: str, params: Any) -> Any:
+        """A plain generation through /v1/completions, shaped like the engine's output (`.text`)."""
+        from orthrus_rag.outputs import GenerationOutput
+
+        out = await self.aclient.completions.create(
+            model=self.generation_model, prompt=prompt, max_tokens=params.max_tokens,
+            temperature=params.temperature, top_p=params.top_p, seed=params.seed, stop=params.stop or None)
+        choice = out.choices[0]
+        return GenerationOutput(out.id, [], [], choice.text, choice.finish_reason)
+
+
+def make_transport(engine: Any = None, base_url: str | None = None, api_key: str | None = None,
+                   timeout: float | None = None, max_retries: int = 2) -> LocalOrthrus | RemoteOrthrus:
+    if (engine is None) == (base_url is None):
+        raise ValueError("give either engine= (in-process) or base_url= (a running `orthrus-rag serve`)")
+    if engine is not None:
+        return LocalOrthrus.of(engine)
+    return RemoteOrthrus(base_url, api_key, timeout, max_retries)

@@ -1,0 +1,8 @@
+"""The OpenAI-compatible HTTP server (`orthrus-rag serve`): embeddings, completions and chat from any client meet
+in the steps of one engine; Prometheus metrics at /metrics."""
+
+from orthrus_rag.serving.app import build_app
+from orthrus_rag.serving.server import ServerThread, serve
+from orthrus_rag.serving.service import OpenAIService
+
+__all__ = ["OpenAIService", "ServerThread", "build_app", "serve"]

@@ -1,0 +1,154 @@
+"""The FastAPI app: OpenAI-compatible routes over one `OpenAIService` (so one AsyncEngine), `/health` and
+`/metrics`. Routes are thin: parse (pydantic), call the service, shape the HTTP answer."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.serving import generation
+from orthrus_rag.serving.errors import OpenAIError, error_response, install_error_handlers
+from orthrus_rag.serving.metrics import ServerMetrics
+from orthrus_rag.serving.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelList
+from orthrus_rag.serving.service import OpenAIService
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_BODY_BYTES = 16 << 20  # a body past this is refused (413) before it is parsed
+DISCONNECT_POLL_S = 0.25
+
+
+def build_app(aengine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+              default_max_tokens: int = 512) -> FastAPI:
+    """An app serving `aengine`. With `api_key`, /v1/* answers 401 unless `Authorization: Bearer <api_key>`.
+    The app shuts the AsyncEngine down when it stops (the caller keeps the sync Engine)."""
+    metrics = ServerMetrics(aengine.engine, pending=lambda: aengine.num_pending)
+    service = OpenAIService(aengine, served_model_name, default_max_tokens, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:
+            metrics.close()
+            await aengine.shutdown()
+
+    app = FastAPI(title="orthrus-rag", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible embeddings and generations served by one co-scheduled engine")
+    app.state.service, app.state.metrics = service, metrics
+    install_error_handlers(app)
+    app.add_middleware(_BodyLimit)
+    _add_routes(app, service, metrics, [Depends(_authorizer(api_key))])
+    return app
+
+
+def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1: list) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=v1, response_model=ModelList)
+    async def models() -> ModelList:
+        return service.list_models()
+
+    @app.post("/v1/embeddings", dependencies=v1)
+    @_counted(metrics, "embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await service.embeddings(body, _until_disconnect(request)))
+
+    @app.post("/v1/completions", dependencies=v1)
+    @_counted(metrics, "completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        if body.stream:
+            return _sse(await generation.completions_stream(service, body))
+        return JSONResponse(await generation.completions(service, body, _until_disconnect(request)))
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    @_counted(metrics, "chat")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        if body.stream:
+            return _sse(await generation.chat_stream(service, body))
+        return JSONResponse(await generation.chat(service, body, _until_disconnect(request)))
+
+
+def _authorizer(api_key: str | None):
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise OpenAIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                              code="invalid_api_key")
+    return authorize
+
+
+def _counted(metrics: ServerMetrics, kind: str):
+    """Count each request of an endpoint by its answer's status (`ok`, or the error's status code)."""
+    def wrap(fn):
+        @functools.wraps(fn)  # NOTE: FastAPI reads the wrapped signature for the body and the request
+        async def inner(*args: Any, **kwargs: Any) -> Any:
+            status = "error"
+            try:
+                result = await fn(*args, **kwargs)
+                status = "ok"
+                return result
+            except OpenAIError as exc:
+                status = str(exc.status)
+                raise
+            finally:
+                metrics.requests.labels(kind, status).inc()
+        return inner
+    return wrap
+
+
+def _sse(events: Any) -> StreamingResponse:
+    # NOTE: Starlette cancels the body iterator when the client disconnects; the engine request is then aborted
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _until_disconnect(request: Request):
+    """Run a coroutine, cancelling it (and so aborting its engine requests) if the client goes away first."""
+    async def run(coro: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    raise OpenAIError(499, "the client closed the connection", code="client_closed")
+        finally:
+            if not task.done():
+                task.cancel()
+    return run
+
+
+class _BodyLimit:
+    """Refuse (413) a request whose declared body is larger than `max_bytes`, before anything reads it. Plain ASGI,
+    so streaming responses and disconnect notices pass through untouched."""
+
+    def __init__(self, app: Any, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = dict(scope.get("headers", ())).get(b"content-length", b"")
+            if size.isdigit() and int(size) > self.max_bytes:
+                response = error_response(413, f"the request body has {int(size)} bytes; at most {self.max_bytes}")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,108 @@
+"""Prometheus metrics of one served engine, in their own registry (several apps in one process never collide).
+
+Step metrics hang on `Engine.step_observers` (called on the engine thread with every step's `StepStats`, no
+polling); request metrics come from each output's `RequestMetrics` when the server hands it back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from orthrus_rag.engine.stats import StepStats
+from orthrus_rag.outputs import RequestMetrics
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (0, 1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
+STEP_KINDS = ("embed", "prefill", "decode", "encoder")
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any, pending: Any = None) -> None:
+        """`engine`: the served `Engine` (its block manager and step observers); `pending`: a callable giving
+        the number of unfinished requests (the AsyncEngine's)."""
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("orthrus_requests", "Finished HTTP requests by endpoint kind and status",
+                                ["kind", "status"], registry=r)
+        self.prompt_tokens = Counter("orthrus_prompt_tokens", "Input tokens by request kind", ["kind"], registry=r)
+        self.generation_tokens = Counter("orthrus_generation_tokens", "Generated tokens", registry=r)
+        self.step_tokens = Histogram("orthrus_step_tokens", "Tokens per engine step by kind", ["kind"],
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.steps = Counter("orthrus_steps", "Engine steps", registry=r)
+        self.mixed_steps = Counter("orthrus_mixed_steps", "Engine steps that carried embedding and generation "
+                                   "tokens together", registry=r)
+        self.mixed_share = Gauge("orthrus_mixed_step_share", "Share of engine steps that carried both kinds",
+                                 registry=r)
+        self.waiting = Gauge("orthrus_num_requests_waiting", "Requests waiting in the scheduler (last step)",
+                             registry=r)
+        self.running = Gauge("orthrus_num_requests_running", "Requests running in the scheduler (last step)",
+                             registry=r)
+        self.pending = Gauge("orthrus_num_requests_pending", "Requests submitted and not yet finished",
+                             registry=r)
+        self.kv_used = Gauge("orthrus_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("orthrus_kv_blocks_total", "KV cache blocks in all", registry=r)
+        self.prefix_hits = Counter("orthrus_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
+                                   "cache", registry=r)
+        self.preempted = Counter("orthrus_preemptions", "Requests preempted (recompute)", registry=r)
+        self.ttft = Histogram("orthrus_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("orthrus_e2e_latency_seconds", "Arrival to finish, by request kind", ["kind"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queueing = Histogram("orthrus_queueing_seconds", "Arrival to first scheduled step, by request kind",
+                                  ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self._engine = engine
+        self._pending = pending
+        self._num_steps = self._num_mixed = 0
+        self._hits = getattr(engine.block_manager, "num_hit_tokens", 0)
+        self.kv_total.set(engine.block_manager.num_blocks)
+        self.kv_used.set(engine.block_manager.num_used_blocks)
+        engine.step_observers.append(self.observe_step)
+
+    def close(self) -> None:
+        """Stop observing the engine (it may outlive this server)."""
+        if self.observe_step in self._engine.step_observers:
+            self._engine.step_observers.remove(self.observe_step)
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+    def observe_step(self, stats: StepStats) -> None:
+        for kind, n in zip(STEP_KINDS, (stats.num_embed_tokens, stats.num_prefill_tokens, stats.num_decode_tokens,
+                                        stats.num_encoder_tokens)):
+            self.step_tokens.labels(kind).observe(n)
+        self.steps.inc()
+        self._num_steps += 1
+        if stats.is_mixed:
+            self.mixed_steps.inc()
+            self._num_mixed += 1
+        self.mixed_share.set(self._num_mixed / self._num_steps)
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.kv_used.set(self._engine.block_manager.num_used_blocks)
+        if stats.num_preempted:
+            self.preempted.inc(stats.num_preempted)
+        hits = getattr(self._engine.block_manager, "num_hit_tokens", None)
+        if hits is not None and hits > self._hits:
+            self.prefix_hits.inc(hits - self._hits)
+        if hits is not None:
+            self._hits = hits
+
+    # ---- event loop -----------------------------------------------------------------------------------------
+    def observe_request(self, kind: str, metrics: RequestMetrics | None, prompt_tokens: int,
+                        completion_tokens: int = 0) -> None:
+        """One finished engine request (`kind`: "embed" or "generate")."""
+        self.prompt_tokens.labels(kind).inc(prompt_tokens)
+        if completion_tokens:
+            self.generation_tokens.inc(completion_tokens)
+        if metrics is None:
+            return
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.e2e_latency is not None:
+            self.e2e.labels(kind).observe(metrics.e2e_latency)
+        if metrics.queueing_time is not None:
+            self.queueing.labels(kind).observe(metrics.queueing_time)
+
+    def render(self) -> bytes:
+        if self._pending is not None:
+            self.pending.set(self._pending())
+        self.kv_used.set(self._engine.block_manager.num_used_blocks)
+        return generate_latest(self.registry)

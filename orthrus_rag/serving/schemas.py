@@ -1,0 +1,165 @@
+"""The OpenAI request bodies the server accepts, as pydantic models (the whole schema is validated before any
+request reaches the engine), and the response bodies it returns.
+
+Fields the OpenAI API has but this engine cannot honour (tools, images, penalties, logit bias, ...) are accepted
+by the schema and refused by `unsupported()` with a 400 that names them; fields it does not know are ignored,
+as OpenAI-compatible servers do, so newer clients keep working."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_INPUTS = 2048  # per request, as OpenAI's embeddings endpoint
+MAX_TEXT_CHARS = 1_000_000  # a longer string cannot fit any model here; refuse before tokenizing it
+MAX_N = 16
+MAX_STOP = 4
+
+Text = str
+TokenIds = list[int]
+
+
+class _Strict(BaseModel):
+    # NOTE: NaN and infinity parse from Python's JSON ("NaN", "Infinity"); refuse them at the schema
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """What completions and chat share."""
+
+    model: str = Field(min_length=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    # accepted so that a client's default (0, null) passes; any other value is refused by `unsupported()`
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def base_unsupported(self) -> list[str]:
+        bad = []
+        if self.presence_penalty:
+            bad.append("presence_penalty")
+        if self.frequency_penalty:
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        if len(self.stop_list()) > MAX_STOP:
+            bad.append(f"more than {MAX_STOP} stop sequences")
+        return bad
+
+
+class CompletionRequest(_Sampling):
+    prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(...)
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = self.base_unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.suffix:
+            bad.append("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of other than n")
+        return bad
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+
+    def unsupported(self) -> list[str]:
+        bad = self.base_unsupported()
+        if self.tools or self.functions:
+            bad.append("tools / function calling")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            bad.append("tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            bad.append(f"response_format {self.response_format.get('type')!r}")
+        if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
+            bad.append("audio output")
+        for m in self.messages:
+            if m.role in ("tool", "function"):
+                bad.append(f"{m.role} messages")
+            if isinstance(m.content, list):
+                kinds = {p.type for p in m.content} - {"text"}
+                bad.extend(f"{k} content" for k in sorted(kinds))
+        if self.top_logprobs is not None and not self.logprobs:
+            bad.append("top_logprobs without logprobs=true")
+        return list(dict.fromkeys(bad))
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class EmbeddingRequest(_Strict):
+    model: str = Field(min_length=1)
+    input: Text | list[Text] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = Field(None, max_length=256)
+
+
+# ---- responses -------------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "orthrus-rag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,86 @@
+"""Running the app: `serve(cfg)` for `orthrus-rag serve` (blocking, uvicorn), and `ServerThread`, which runs the
+same server in a background thread on a free loopback port (tests, notebooks, LangChain against a base URL)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.serving.app import build_app
+
+logger = logging.getLogger(__name__)
+API_KEY_ENV = "ORTHRUS_API_KEY"
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """The configured key, else the ORTHRUS_API_KEY environment variable, else none (no auth)."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def serve(cfg: Any) -> None:
+    """`orthrus-rag serve`: build the engine from the composed config and serve it until interrupted."""
+    from orthrus_rag.app import build_engine
+    from orthrus_rag.app_config import validate
+
+    validate(cfg)
+    s = cfg.serve
+    if cfg.engine.serving != "engine":
+        raise ValueError(f"serve runs one co-scheduled engine; engine.serving={cfg.engine.serving!r} is a "
+                         "benchmark baseline")
+    if s.default_max_tokens < 1:
+        raise ValueError(f"serve.default_max_tokens must be at least 1, got {s.default_max_tokens}")
+    if not 0 <= s.port < 65536:
+        raise ValueError(f"serve.port must be in [0, 65535], got {s.port}")
+    if s.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s: reachable from other machines%s", s.host,
+                       "" if resolve_api_key(s.api_key) else " without an API key")
+    engine = build_engine(cfg)
+    aengine = AsyncEngine(engine, max_pending=cfg.engine.max_pending)
+    app = build_app(aengine, s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens)
+    uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """The server for `aengine` in a daemon thread on `host:port` (port 0: a free one); `url` is its base URL
+    (`.../v1`). `stop()` shuts it down, and the AsyncEngine with it."""
+
+    def __init__(self, aengine: AsyncEngine, host: str = "127.0.0.1", port: int = 0,
+                 startup_timeout_s: float = 30.0, **app_kwargs: Any) -> None:
+        self.host, self.port = host, port or free_port(host)
+        self.app = build_app(aengine, **app_kwargs)
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="orthrus-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

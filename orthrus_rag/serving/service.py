@@ -1,0 +1,230 @@
+"""`OpenAIService`: the OpenAI API's semantics over one `AsyncEngine`, shared by every endpoint and caller.
+
+The HTTP routes (serving/app.py) and the in-process LangChain components both call it, so there is one owner of
+what `n`, `stop`, `seed`, `max_tokens`, the chat template and `encoding_format` mean. It runs on the event loop
+the AsyncEngine is bound to; every failure is an `OpenAIError` with the status and message a caller sees."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from orthrus_rag.engine.async_engine import AsyncEngine, EngineQueueFull, EngineShutdown, RequestAborted
+from orthrus_rag.outputs import GenerationOutput
+from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.serving.errors import OpenAIError, bad_request
+from orthrus_rag.serving.metrics import ServerMetrics
+from orthrus_rag.serving.schemas import MAX_INPUTS, MAX_TEXT_CHARS, EmbeddingRequest, ModelCard, ModelList
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServedModels:
+    """The names callers use: one generation model, and the embedding models (name -> pooling adapter)."""
+
+    generation: str
+    embedding: dict[str, str | None] = field(default_factory=dict)  # name -> PoolingParams.adapter
+
+    @classmethod
+    def of(cls, engine: Any, served_model_name: str | None = None) -> "ServedModels":
+        mc = engine.config.model
+        gen = served_model_name or mc.model
+        emb: dict[str, str | None] = {}
+        if engine.has_encoder:
+            emb[mc.embedding_model] = None
+        else:
+            emb[gen] = None  # the backbone with its default adapter (if any)
+        for name in engine.adapter_slots:  # each loaded adapter by its name
+            emb.setdefault(name, name)
+        return cls(gen, emb)
+
+
+class OpenAIService:
+    def __init__(self, aengine: AsyncEngine, served_model_name: str | None = None,
+                 default_max_tokens: int = 512, metrics: ServerMetrics | None = None) -> None:
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.models = ServedModels.of(self.engine, served_model_name)
+        self.default_max_tokens = default_max_tokens
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # ---- models -------------------------------------------------------------------------------------------
+    def list_models(self) -> ModelList:
+        names = dict.fromkeys([self.models.generation, *self.models.embedding])
+        return ModelList(data=[ModelCard(id=n, created=self.created) for n in names])
+
+    def check_generation_model(self, model: str) -> None:
+        if model != self.models.generation:
+            raise _unknown_model(model, [self.models.generation])
+
+    # ---- embeddings -----------------------------------------------------------------------------------------
+    async def embeddings(self, req: EmbeddingRequest, run: Callable[[Awaitable[T]], Awaitable[T]] | None = None,
+                         ) -> dict[str, Any]:
+        if req.model not in self.models.embedding:
+            raise _unknown_model(req.model, list(self.models.embedding))
+        inputs = _as_inputs(req.input, "input")
+        adapter = self.models.embedding[req.model]
+        params = self.engine.default_pooling_params() if adapter is None else PoolingParams(adapter=adapter)
+        width = self.engine.embedding_dimension(self.engine.embedding_route(params))
+        if req.dimensions is not None and req.dimensions != width:
+            raise bad_request(f"dimensions={req.dimensions} is not supported: {req.model} gives {width}-dimensional "
+                              "vectors", "dimensions")
+        self._reserve(len(inputs))
+        outs = await self.guard(self.aengine.embed_many(inputs, params), run)
+        data, tokens = [], 0
+        for i, out in enumerate(outs):
+            vector = out.embedding.detach().float().cpu().numpy().astype("<f4")
+            value: Any = base64.b64encode(vector.tobytes()).decode() if req.encoding_format == "base64" \
+                else vector.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+            tokens += len(out.prompt_token_ids)
+            if self.metrics is not None:
+                self.metrics.observe_request("embed", out.metrics, len(out.prompt_token_ids))
+        return {"object": "list", "data": data, "model": req.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    # ---- generation -----------------------------------------------------------------------------------------
+    def sampling_params(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
+                        stop: list[str], seed: int | None, index: int) -> SamplingParams:
+        """OpenAI defaults: temperature 1, top_p 1; `n` samples differ by seed (seed + index when one is given)."""
+        try:
+            return SamplingParams(max_tokens=max_tokens or self.default_max_tokens,
+                                  temperature=1.0 if temperature is None else temperature,
+                                  top_p=1.0 if top_p is None else top_p, stop=stop,
+                                  seed=None if seed is None else (seed + index) % (2**63))
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    async def generate_many(self, prompt: str | list[int], params: Sequence[SamplingParams],
+                            run: Callable[[Awaitable[T]], Awaitable[T]] | None = None) -> list[GenerationOutput]:
+        """One prompt, one request per params (n samples), submitted together."""
+        self._reserve(len(params))
+
+        async def _all() -> list[GenerationOutput]:
+            tasks = [asyncio.ensure_future(self.aengine.generate(prompt, p)) for p in params]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:  # NOTE: cancelling an awaiter aborts its engine request (blocks freed)
+                    t.cancel()
+                raise
+
+        outs = await self.guard(_all(), run)
+        for out in outs:
+            self.observe_generation(out)
+        return outs
+
+    async def stream_many(self, prompt: str | list[int], params: Sequence[SamplingParams],
+                          ) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        """(choice index, snapshot) from `len(params)` streams merged as they come; leaving early aborts all."""
+        self._reserve(len(params))
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def _pump(i: int, p: SamplingParams) -> None:
+            try:
+                async for snap in self.aengine.generate_stream(prompt, p):
+                    await queue.put((i, snap))
+            except BaseException as exc:  # noqa: BLE001 (handed to the consumer)
+                await queue.put((i, exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+
+        tasks = [asyncio.ensure_future(_pump(i, p)) for i, p in enumerate(params)]
+        try:
+            done = 0
+            while done < len(tasks):
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise self._map_error(item)
+                if item.finished:
+                    done += 1
+                    self.observe_generation(item)
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def observe_generation(self, out: GenerationOutput) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request("generate", out.metrics, len(out.prompt_token_ids), len(out.token_ids))
+
+    # ---- failures -------------------------------------------------------------------------------------------
+    def _reserve(self, n: int) -> None:
+        """429 when `n` more requests would pass the AsyncEngine's pending limit (nothing is submitted then)."""
+        if self.aengine.num_pending + n > self.aengine.max_pending:
+            raise OpenAIError(429, f"the server is busy ({self.aengine.num_pending} requests pending, the limit "
+                              f"is {self.aengine.max_pending}); retry later", "rate_limit_error",
+                              code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def guard(self, coro: Awaitable[T], run: Callable[[Awaitable[T]], Awaitable[T]] | None = None) -> T:
+        """Await `coro` (through `run`, e.g. one that cancels it when the client disconnects), mapping engine
+        failures to OpenAIError."""
+        try:
+            return await (run(coro) if run is not None else coro)
+        except (ValueError, TypeError, EngineQueueFull, EngineShutdown, RequestAborted, RuntimeError) as exc:
+            raise self._map_error(exc) from None
+
+    def _map_error(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, OpenAIError | asyncio.CancelledError):
+            return exc
+        if isinstance(exc, (ValueError, TypeError)):
+            return bad_request(str(exc))
+        if isinstance(exc, EngineQueueFull):
+            return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        if isinstance(exc, EngineShutdown):
+            return OpenAIError(503, str(exc), "server_error", code="shutting_down")
+        if isinstance(exc, RequestAborted):
+            return OpenAIError(499, str(exc), "invalid_request_error", code="aborted")
+        return OpenAIError(500, f"the engine failed this request: {exc}", "server_error")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _unknown_model(model: str, known: list[str]) -> OpenAIError:
+    return OpenAIError(404, f"the model {model!r} does not exist; served: {', '.join(known)}",
+                       param="model", code="model_not_found")
+
+
+def _as_inputs(value: Any, param: str) -> list[str | list[int]]:
+    """A str, a list of str, a list of token ids or a list of those, as a list of inputs (each checked)."""
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif value and all(isinstance(v, int) for v in value):
+        items = [list(value)]
+    else:
+        items = list(value)
+    if not items:
+        raise bad_request(f"{param} is empty", param)
+    if len(items) > MAX_INPUTS:
+        raise bad_request(f"{param} has {len(items)} items; at most {MAX_INPUTS} per request", param)
+    for i, item in enumerate(items):
+        if isinstance(item, str) and len(item) > MAX_TEXT_CHARS:
+            raise bad_request(f"{param}[{i}] has {len(item)} characters, more than any model here takes", param)
+        if not isinstance(item, str) and not item:
+            raise bad_request(f"{param}[{i}] is empty", param)
+    return items
+
+
+def as_prompts(value: Any) -> list[str | list[int]]:
+    return _as_inputs(value, "prompt")
+
+
+def vector_of(data: Any) -> np.ndarray:
+    """An embedding item's vector from either encoding (for clients of this module)."""
+    if isinstance(data, str):
+        return np.frombuffer(base64.b64decode(data), dtype="<f4")
+    return np.asarray(data, dtype=np.float32)

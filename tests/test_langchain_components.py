@@ -1,0 +1,123 @@
+"""The LangChain components on a shared in-process engine and against the server by base URL: an LCEL chain
+(`retriever | prompt | chat`) whose retrieval and generation land in the same engine steps, streaming with usage,
+Iter-RetGen as a Runnable (invoke, batch, per-iteration stream)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+
+from orthrus_rag import Engine
+from orthrus_rag.integrations.langchain import (ChatOrthrus, IterRetGenRunnable, LocalOrthrus, OrthrusEmbeddings,
+                                                OrthrusRetriever)
+from tests.conftest import MINILM, SERVED_REFERENCE_TEXTS
+
+TITLES = ["Jane Austen", "Nile", "Mount Everest", "Marie Curie"]
+TEXTS = ["Jane Austen wrote the novel Pride and Prejudice, published in 1813.",
+         "The Nile is a river in Africa that flows north into the Mediterranean Sea.",
+         "Mount Everest, on the border of Nepal and China, is the highest mountain on Earth.",
+         "Marie Curie won Nobel Prizes in both physics and chemistry."]
+QUESTIONS = ["Who wrote Pride and Prejudice?", "Which is the highest mountain?", "Where does the Nile flow?"]
+
+
+@pytest.fixture(scope="module")
+def local(served):
+    """A second engine on the served engine's weights (the server is idle meanwhile), behind one LocalOrthrus."""
+    src = served.engine
+    engine = Engine(src.config, src.runner.model, src.tokenizer, encoder=src.runner.encoder,
+                    encoder_tokenizer=src.inputs.encoder_tokenizer, encoder_pooling=src.encoder_pooling)
+    shared = LocalOrthrus.of(engine)
+    assert LocalOrthrus.of(engine) is shared  # every component on this engine shares one loop
+    yield shared
+    shared.close()
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def retriever(local):
+    return OrthrusRetriever.from_texts(TEXTS, OrthrusEmbeddings(engine=local), titles=TITLES, k=1)
+
+
+def test_in_process_embeddings_equal_the_engines(local, served):
+    got = np.asarray(OrthrusEmbeddings(engine=local).embed_documents(SERVED_REFERENCE_TEXTS))
+    np.testing.assert_allclose(got, np.stack([t.numpy() for t in served.reference]), atol=1e-6, rtol=0)
+
+
+def test_retriever_finds_the_passage(retriever):
+    docs = retriever.invoke("Who wrote Pride and Prejudice?")
+    assert [d.metadata["title"] for d in docs] == ["Jane Austen"]
+    assert docs[0].page_content == TEXTS[0] and docs[0].metadata["score"] > 0
+
+
+def test_lcel_chain_puts_both_kinds_in_the_same_steps(local, retriever):
+    engine = local.aengine.engine
+    chat = ChatOrthrus(engine=local, max_tokens=6, temperature=0)
+    prompt = ChatPromptTemplate.from_template("Context: {context}\nQuestion: {question}\nAnswer briefly.")
+    chain = ({"context": retriever | (lambda docs: docs[0].page_content), "question": RunnablePassthrough()}
+             | prompt | chat | StrOutputParser())
+    first = engine.num_steps
+
+    async def main() -> list[str]:
+        # a generation already decoding while the chain's queries embed: the product's whole point
+        long = asyncio.ensure_future(chat.ainvoke("Count from 1 to 50.", max_tokens=24))
+        while not any(r.output_token_ids for r in list(engine.requests.values())) and not long.done():
+            await asyncio.sleep(0.01)
+        answers = await chain.abatch(QUESTIONS)
+        await long
+        return answers
+
+    answers = asyncio.run(main())
+    assert len(answers) == 3 and all(isinstance(a, str) and a for a in answers)
+    steps = [s for s in engine.step_stats if s.step >= first]
+    assert any(s.is_mixed for s in steps), "no step carried embedding and generation tokens together"
+
+
+def test_in_process_streaming_with_usage(local):
+    chat = ChatOrthrus(engine=local, max_tokens=6, temperature=0)
+    whole = chat.invoke("Name a colour.")
+    chunks = list(chat.stream("Name a colour."))
+    total = chunks[0]
+    for c in chunks[1:]:
+        total += c
+    assert total.content == whole.content and len(chunks) > 2
+    assert total.usage_metadata["output_tokens"] == whole.usage_metadata["output_tokens"] > 0
+    assert whole.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_iter_retgen_runnable_in_process(local, retriever):
+    chat = ChatOrthrus(engine=local)
+    rag = IterRetGenRunnable(retriever, chat, iterations=2, k=2, max_tokens=8)
+    one = rag.invoke({"question": QUESTIONS[0], "answers": ["Jane Austen"]})
+    assert len(one["iterations"]) == 2 and one["error"] is None
+    assert one["iterations"][0]["retrieved"][0]["title"] == "Jane Austen"
+    assert one["iterations"][1]["query"].endswith(QUESTIONS[0])  # y_1 || q
+    many = rag.batch(QUESTIONS[:2])
+    assert [r["question"] for r in many] == QUESTIONS[:2]
+    events = list(rag.stream(QUESTIONS[1]))
+    assert [e["event"] for e in events] == ["iteration", "iteration", "final"]
+    assert [e["iteration"] for e in events[:2]] == [1, 2]
+    assert events[-1]["prediction"] == events[-1]["iterations"][-1]["answer"]
+
+
+def test_components_against_the_server(served):
+    emb = OrthrusEmbeddings(base_url=served.url, model=MINILM)
+    got = np.asarray(emb.embed_documents(SERVED_REFERENCE_TEXTS))
+    np.testing.assert_allclose(got, np.stack([t.numpy() for t in served.reference]), atol=1e-6, rtol=0)
+    retriever = OrthrusRetriever.from_texts(TEXTS, emb, titles=TITLES, k=1)
+    chat = ChatOrthrus(base_url=served.url, max_tokens=6, temperature=0)
+    rag = IterRetGenRunnable(retriever, chat, iterations=2, k=1, max_tokens=6)
+    rec = asyncio.run(rag.ainvoke(QUESTIONS[1]))  # (batch, abatch and stream: in-process above; same code)
+    assert rec["iterations"][0]["retrieved"][0]["title"] == "Mount Everest"
+    assert len(rec["iterations"]) == 2 and rec["error"] is None
+
+
+def test_where_the_engine_is_must_be_said():
+    with pytest.raises(ValueError, match="not both"):
+        ChatOrthrus(engine=object(), base_url="http://127.0.0.1:9/v1")
+    with pytest.raises(ValueError, match="no engine"):
+        ChatOrthrus(base_url=None).invoke("hi")

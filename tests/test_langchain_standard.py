@@ -1,0 +1,105 @@
+"""The `langchain-tests` standard suites for `OrthrusEmbeddings` and `ChatOrthrus`: unit tests (no engine) and
+integration tests against the session's real server (SmolLM2 + MiniLM). What the model cannot do (tool calling,
+structured output, JSON mode, images) is declared through the suites' documented properties."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests, EmbeddingsIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests
+
+from orthrus_rag.integrations.langchain import ChatOrthrus, OrthrusEmbeddings
+from tests.conftest import MINILM, SMOL
+
+NO_SERVER = "http://127.0.0.1:9/v1"  # unit tests never send a request
+
+
+class _NoTools:
+    @property
+    def has_tool_calling(self) -> bool:
+        return False
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return False
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one generation model per server
+
+
+class TestOrthrusEmbeddingsUnit(EmbeddingsUnitTests):
+    @property
+    def embeddings_class(self) -> type[OrthrusEmbeddings]:
+        return OrthrusEmbeddings
+
+    @property
+    def embedding_model_params(self) -> dict:
+        return {"base_url": NO_SERVER, "model": MINILM}
+
+    @property
+    def init_from_env_params(self) -> tuple[dict, dict, dict]:
+        return ({"ORTHRUS_BASE_URL": "http://127.0.0.1:8000/v1", "ORTHRUS_API_KEY": "key"}, {"model": MINILM},
+                {"base_url": "http://127.0.0.1:8000/v1", "api_key": "key"})
+
+
+class TestChatOrthrusUnit(_NoTools, ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatOrthrus]:
+        return ChatOrthrus
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"base_url": NO_SERVER, "model": SMOL}
+
+    @property
+    def init_from_env_params(self) -> tuple[dict, dict, dict]:
+        return ({"ORTHRUS_BASE_URL": "http://127.0.0.1:8000/v1", "ORTHRUS_API_KEY": "key"}, {"model": SMOL},
+                {"base_url": "http://127.0.0.1:8000/v1", "api_key": "key"})
+
+
+@pytest.fixture(scope="class")
+def _server_url(request, served):
+    request.cls.server_url = served.url
+
+
+@pytest.mark.usefixtures("_server_url")
+class TestOrthrusEmbeddingsIntegration(EmbeddingsIntegrationTests):
+    server_url: str
+
+    @property
+    def embeddings_class(self) -> type[OrthrusEmbeddings]:
+        return OrthrusEmbeddings
+
+    @property
+    def embedding_model_params(self) -> dict:
+        return {"base_url": self.server_url, "model": MINILM}
+
+
+@pytest.mark.usefixtures("_server_url")
+class TestChatOrthrusIntegration(_NoTools, ChatModelIntegrationTests):
+    server_url: str
+
+    @property
+    def chat_model_class(self) -> type[ChatOrthrus]:
+        return ChatOrthrus
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"base_url": self.server_url, "model": SMOL, "max_tokens": 12, "temperature": 0}
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": [], "stream": []}
