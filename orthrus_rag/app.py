@@ -64,9 +64,10 @@ def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:
         base = dict(backend.encoder_pooling)
     else:
         base = {"pooling": cfg.retriever.pooling, "normalize": True}
-    # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does
+    # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does.
+    # A query is what the next hop of a chain waits on: latency-critical (priority < 0) for the orthrus policy
     return (PoolingParams(**base, truncate=True),
-            PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True))
+            PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True, priority=-1))
 
 
 def build_retriever(cfg: Any, backend: Any, corpus: list, index_dir: Path | None,

@@ -33,7 +33,7 @@ class ModelConf:
     name: str = "smollm2-135m-instruct"
     embedding_model: str | None = "all-minilm-l6-v2"  # a separate encoder; None: embed with the backbone
     embedding_adapter: str | None = None  # PEFT adapter folder for backbone embeddings
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     num_threads: int | None = None
 

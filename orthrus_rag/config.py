@@ -17,18 +17,28 @@ class ModelConfig:
     model: str = "smollm2-135m-instruct"
     embedding_adapters: list[str] = field(default_factory=list)  # PEFT folders; the first is the default
     embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere (bf16 is not faster on CPUs without AMX)
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    # fp32 on CPU: run Linear layers on a oneDNN copy of their weights (layers/linear.py; ~2x MKL on AMD CPUs)
-    onednn_linear: bool = True
+    # fp32 on CPU: Linear layers on torch's dense matmul or a oneDNN copy of their weights; "auto" times both on
+    # the model's shapes at load (layers/linear.py: oneDNN ~2x MKL on an AMD EPYC, MKL ahead on a Xeon)
+    linear_kernel: str = "auto"
+    # attention: "auto" (varlen flash on CUDA where torch has it, else grouped SDPA), "grouped", "reference"
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True  # on CUDA: decode-only steps replayed as CUDA graphs (engine/cuda_graphs.py)
+    compile_elementwise: bool = True  # on CUDA: rotary and SiLU-mul as torch.compile'd fused kernels
+    cpu_decode_kernel: bool = True  # on CPU, fp32: decode attention in a C++ kernel over the paged cache
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected auto or one of {', '.join(_DTYPES)}")
+        if self.linear_kernel not in ("auto", "dense", "onednn"):
+            raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; expected auto, dense or onednn")
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
 
@@ -64,12 +74,23 @@ class SchedulerConfig:
     policy: str = "orthrus"  # orthrus | qlen-priority | hetero-fcfs | unified-homo
     min_share: float = 0.1  # orthrus: least share of the residual budget for a non-empty kind
     encoder_token_weight: float = 0.25  # budget cost of one encoder token relative to one decoder token
+    # orthrus: size steps that carry decodes by predicted time (engine/step_cost.py) rather than by tokens alone:
+    # at most `step_time_target` seconds, or (None) the decodes' own time x (1 + step_time_margin); a step
+    # always has room for `min_step_tokens` and never more than max_num_batched_tokens
+    cost_budget: bool = True
+    step_time_target: float | None = None
+    step_time_margin: float = 1.0
+    min_step_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_chunk_tokens < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_chunk_tokens must be positive")
         if self.encoder_token_weight <= 0:
             raise ValueError("encoder_token_weight must be positive")
+        if self.step_time_target is not None and not self.step_time_target > 0:
+            raise ValueError(f"step_time_target must be a positive number of seconds, got {self.step_time_target}")
+        if not self.step_time_margin >= 0 or self.min_step_tokens < 1:
+            raise ValueError("step_time_margin must be >= 0 and min_step_tokens >= 1")
         if not 0.0 <= self.min_share <= 0.5:
             raise ValueError(f"min_share must be in [0, 0.5], got {self.min_share}")
         from orthrus_rag.engine.policies import POLICIES

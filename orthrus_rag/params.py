@@ -23,6 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    priority: int = 0  # lower runs sooner (vLLM's convention); see PoolingParams.priority
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +59,8 @@ class PoolingParams:
     `adapter`: name of a loaded LoRA adapter; None picks the engine's default embedding adapter.
     `truncate`: cut an input longer than the model's maximum (as sentence-transformers does) instead of
     refusing it.
+    `priority`: lower runs sooner (vLLM's convention). Below 0 marks latency-critical work, such as the query
+    embedding a multi-hop chain waits on: the `orthrus` policy serves it before splitting the rest of a step.
     """
 
     pooling: str = "mean"
@@ -68,6 +71,7 @@ class PoolingParams:
     append_eos: bool | None = None
     adapter: str | None = None
     truncate: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:

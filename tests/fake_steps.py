@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
 from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.scheduler import Scheduler, SchedulerOutput
+from orthrus_rag.engine.step_cost import StepCostModel
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 KINDS = ("generate", "embed", "encoder")
@@ -66,6 +67,18 @@ def step_bound(reqs: Sequence[Request]) -> int:
 
 
 @dataclass
+class FakeRunnerOutput:
+    sampled: dict = field(default_factory=dict)
+    embeddings: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)
+
+
+def _stop_at_max_tokens(req: Request) -> str | None:
+    assert req.sampling_params is not None
+    return "length" if len(req.output_token_ids) >= req.sampling_params.max_tokens else None
+
+
+@dataclass
 class _Before:
     """What the scheduler's state looked like before `schedule()`."""
 
@@ -76,14 +89,16 @@ class _Before:
 
 
 class FakeEngine:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 cost_model: StepCostModel | None = None) -> None:
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, _stop_at_max_tokens, cost_model)
         self.requests: list[Request] = []  # every request ever added, in arrival order
         self.admitted: list[Request] = []  # in order of first admission
         self.chunks: dict[str, list[tuple[int, int]]] = {}  # req_id -> [(num_computed_tokens before, n)]
         self.num_steps = 0
         self.num_preemptions = 0
+        self.finished_at: dict[str, int] = {}  # req_id -> the step it finished in
 
     def __repr__(self) -> str:
         return (f"FakeEngine({self.scheduler.config}, num_blocks={self.block_manager.num_blocks}, "
@@ -116,31 +131,28 @@ class FakeEngine:
         return out
 
     def _execute(self, out: SchedulerOutput) -> None:
-        """The fake runner plus the engine's output processing."""
+        """A fake runner's output, applied by the scheduler as the real engine does."""
         seen = {id(r) for r in self.admitted}
         for req in [s.req for s in out.scheduled] + out.encoder:
             if id(req) not in seen:
                 self.admitted.append(req)
+        result = FakeRunnerOutput()
         for s in out.scheduled:
             req = s.req
             self.chunks.setdefault(req.req_id, []).append((req.num_computed_tokens, s.num_new_tokens))
-            req.num_computed_tokens += s.num_new_tokens
-            if req.num_computed_tokens < req.num_tokens:
+            if req.num_computed_tokens + s.num_new_tokens < req.num_tokens:
                 continue
             if req.is_embed:
-                self._finish(req)
+                result.embeddings[req.req_id] = None
             else:
-                assert req.sampling_params is not None
-                req.output_token_ids.append(fake_token(len(req.output_token_ids)))
-                if len(req.output_token_ids) == req.sampling_params.max_tokens:
-                    self._finish(req)
+                result.sampled[req.req_id] = fake_token(len(req.output_token_ids))
+        for req in out.encoder:
+            result.embeddings[req.req_id] = None
+        done = self.scheduler.update_from_output(out, result, float(self.num_steps))
         for req in out.encoder:
             req.num_computed_tokens = req.num_tokens
-            self._finish(req)
-
-    def _finish(self, req: Request) -> None:
-        self.scheduler.remove(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, "stop"
+        assert all(r.is_finished for r in done.finished)
+        self.finished_at.update((r.req_id, self.num_steps) for r in done.finished)
 
     def run(self, arrivals: Sequence[tuple[int, Request, int | None]], max_steps: int | None = None) -> None:
         """Add each request at its step, abort it at its abort step (if still unfinished), step until idle.
@@ -213,6 +225,7 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
     cost = sum(s.num_new_tokens for s in out.scheduled) + sum(encoder_cost(r, cfg) for r in out.encoder)
     lone_encoder = len(out.encoder) == 1 and not out.scheduled
     assert cost <= cfg.max_num_batched_tokens or lone_encoder, f"budget exceeded: {cost}"
+    assert cost <= eng.scheduler.step_cap or lone_encoder, f"step budget exceeded: {cost}"
     assert len(out.scheduled) + len(out.encoder) <= cfg.max_num_seqs
 
     for s in out.scheduled:

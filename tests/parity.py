@@ -1,5 +1,6 @@
 """Greedy parity the way vLLM's tests check it: identical up to the first divergence, which must be a
-near-tie (each side's token in the other's top-2 with nearly equal logits)."""
+near-tie (each side's token in the other's top-2 with nearly equal logits); without a divergence, the same
+number of tokens."""
 
 from __future__ import annotations
 
@@ -7,17 +8,21 @@ import torch
 
 
 def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens for exactly `max_tokens` steps, EOS included and not stopping there (as the
+    engine does under `ignore_eos`); `generate` would stop at EOS and leave only a prefix to compare."""
+    tokens: list[int] = []
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                                                                       dtype=torch.long),
-                                max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
+        while True:
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if len(tokens) == max_tokens:
+                return tokens
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
 
 
 def check_greedy_close(hf_model: torch.nn.Module, prompt_ids: list[int], ours: list[int], ref: list[int],
                        tol: float = 1e-3) -> None:
-    n = min(len(ours), len(ref))
-    for i in range(n):
+    for i in range(min(len(ours), len(ref))):
         if ours[i] != ref[i]:
             with torch.inference_mode():
                 logits = hf_model(torch.tensor([prompt_ids + ref[:i]])).logits[0, -1].float()
@@ -26,4 +31,4 @@ def check_greedy_close(hf_model: torch.nn.Module, prompt_ids: list[int], ours: l
             assert ours[i] in top2 and ref[i] in top2 and gap < tol, (
                 f"diverged at output token {i}: ours {ours[i]} vs ref {ref[i]}, logit gap {gap:.2e}, top2 {top2}")
             return
-    assert len(ours) == len(ref) or min(len(ours), len(ref)) == n, "length mismatch without divergence"
+    assert len(ours) == len(ref), f"no divergence but lengths differ: {len(ours)} vs {len(ref)}"

@@ -76,8 +76,9 @@ def test_single_chunk_embedding_needs_no_blocks(engine):
     sched = engine.scheduler.schedule()
     assert [s.req.req_id for s in sched.scheduled] == [rid]
     assert sched.scheduled[0].req.block_table == []
-    out = engine._process(engine.runner.execute(sched), [sched.scheduled[0].req])
-    assert out[0].embedding.shape == (576,)
+    done = engine.scheduler.update_from_output(sched, engine.runner.execute(sched), 0.0)
+    assert [r.req_id for r in done.finished] == [rid] and done.embeddings[rid].shape == (576,)
+    engine.requests.pop(rid)
 
 
 def test_instruction_prefix_and_eos(engine, smol_tokenizer):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from orthrus_rag.layers.linear import PackedLinear, linear, onednn_available, pack_linears
+from orthrus_rag.layers.linear import PackedLinear, choose_kernel, linear, onednn_available, pack_linears
 from orthrus_rag.layers.lora import LoRALinear
 from orthrus_rag.params import PoolingParams, SamplingParams
 from tests.conftest import SMOL, engine_overrides
@@ -68,18 +68,25 @@ def test_lora_wrapping_keeps_the_packed_copy():
     torch.testing.assert_close(wrapped(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=1e-5)
 
 
-def test_engine_results_equal_with_and_without_onednn(smol_engine):
+def test_choose_kernel_times_both_and_names_one():
+    assert choose_kernel([(16, 24), (24, 16)], rows=(1, 4)) in ("dense", "onednn")
+
+
+def test_engine_results_equal_with_and_without_onednn():
     from orthrus_rag import Engine
 
-    dense = Engine.from_pretrained(SMOL, onednn_linear=False, **engine_overrides())
-    assert not any(isinstance(m, PackedLinear) for m in dense.runner.model.modules())
-    assert any(isinstance(m, PackedLinear) for m in smol_engine.runner.model.modules())
+    dense = Engine.from_pretrained(SMOL, linear_kernel="dense", **engine_overrides())
+    packed = Engine.from_pretrained(SMOL, linear_kernel="onednn", **engine_overrides())
+    assert not any(getattr(m, "_onednn", None) is not None for m in dense.runner.model.modules())
+    fused = [f for m in packed.runner.model.modules() for f in getattr(m, "fusions", {}).values()]
+    assert len(fused) == 2 * 30 and all(getattr(f.carrier, "_onednn", None) is not None for f in fused)
+    assert isinstance(packed.runner.model.model.layers[0].self_attn.o_proj, PackedLinear)
     prompts = ["The capital of France is", "List three colours:"]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     want = [o.token_ids for o in dense.generate(prompts, params)]
-    got = [o.token_ids for o in smol_engine.generate(prompts, params)]
+    got = [o.token_ids for o in packed.generate(prompts, params)]
     assert got == want
     texts = ["a short sentence about rivers", "another one, about mountains and snow"]
     e_dense = torch.stack([o.embedding for o in dense.embed(texts, PoolingParams(pooling="mean"))])
-    e_packed = torch.stack([o.embedding for o in smol_engine.embed(texts, PoolingParams(pooling="mean"))])
+    e_packed = torch.stack([o.embedding for o in packed.embed(texts, PoolingParams(pooling="mean"))])
     assert torch.nn.functional.cosine_similarity(e_dense, e_packed).min() > 0.99999

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.policies import POLICIES, make_policy
+from orthrus_rag.params import PoolingParams
 from tests.fake_steps import FakeEngine, make_request
 
 
@@ -44,6 +45,28 @@ def test_orthrus_min_share_guards_the_minority_kind():
     eng.add(make_request("e0", "embed", 50))
     embed, prefill = _split_step(eng)
     assert embed == 20 and prefill == 80  # the raw share would give the embedding 1 token of 100
+
+
+def test_orthrus_serves_latency_critical_work_before_the_split():
+    """A 30-token query that a multi-hop chain waits on (priority < 0) runs whole in the next step, instead of
+    a sliver of the remaining-token split beside a prompt backlog."""
+    eng = _engine("orthrus", min_share=0.1)
+    for i in range(10):
+        eng.add(make_request(f"g{i}", "generate", 1000))
+    eng.add(make_request("doc", "embed", 300))
+    query = make_request("query", "embed", 30)
+    query.pooling_params = PoolingParams(priority=-1)
+    eng.add(query)
+    embed, prefill = _split_step(eng)
+    assert query.is_finished and embed >= 30 and embed + prefill == 100
+    plain = _engine("orthrus", min_share=0.1)  # the same without the priority: the query waits for its share
+    for i in range(10):
+        plain.add(make_request(f"g{i}", "generate", 1000))
+    plain.add(make_request("doc", "embed", 300))
+    late = make_request("query", "embed", 30)
+    plain.add(late)
+    _split_step(plain)
+    assert not late.is_finished
 
 
 def test_qlen_priority_follows_the_published_rule():

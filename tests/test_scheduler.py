@@ -205,15 +205,7 @@ def test_oldest_request_is_not_starved_by_a_stream_of_newer_decodes() -> None:
     eng = FakeEngine(_cfg(16, seqs=8, chunk=8), num_blocks=20, block_size=4)
     long = make_request("long", "generate", 60, 4)
     stream = [(step, make_request(f"s{step}", "generate", 3, 20), None) for step in range(0, 300, 3)]
-    finished_at: dict[str, int] = {}
-    finish = eng._finish
-
-    def record(req: Request) -> None:
-        finished_at[req.req_id] = eng.num_steps
-        finish(req)
-
-    eng._finish = record  # type: ignore[method-assign]
     eng.run([(0, long, None), *stream])
     assert long.num_preemptions == 0
-    assert finished_at["long"] < 60  # 60 prompt tokens at <= 8 a step, then 4 decodes; the stream runs to 300
+    assert eng.finished_at["long"] < 60  # 60 prompt tokens at <= 8 a step, then 4 decodes; the stream runs to 300
     _check_completed(eng)

@@ -1,31 +1,34 @@
 """The synchronous engine: add requests of both kinds, step, collect outputs.
 
 `step()` is the whole loop: the scheduler decides, the runner runs one flat batch (plus the encoder), the
-engine appends sampled tokens, checks stops and hands finished requests back.
+scheduler applies the outcome (`update_from_output`: tokens, stops, freed blocks) and the engine turns it into
+outputs.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
-from orthrus_rag.engine.prefix_cache import PrefixCachingBlockManager
 from orthrus_rag.engine.detokenizer import stream_text, update_output
 from orthrus_rag.engine.handoff import HandoffOutput, restore_generator
 from orthrus_rag.engine.input_processor import InputProcessor
+from orthrus_rag.engine.prefix_cache import PrefixCachingBlockManager
 from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
-from orthrus_rag.engine.runner import ModelRunner, RunnerOutput
-from orthrus_rag.engine.scheduler import Scheduler
+from orthrus_rag.engine.runner import ModelRunner
+from orthrus_rag.engine.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.stats import StepStats
+from orthrus_rag.engine.step_cost import StepCostModel, calibrate
 from orthrus_rag.layers.sampler import make_generator
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, RequestMetrics
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -50,18 +53,23 @@ class Engine:
         num_blocks = cache.resolve_num_blocks(kv_bytes_per_token(model, config.model.torch_dtype))
         manager = PrefixCachingBlockManager if cache.enable_prefix_caching else BlockManager
         self.block_manager = manager(num_blocks, cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder)
-        self.inputs = InputProcessor(
-            tokenizer, hf.vocab_size, max_len, num_blocks * cache.block_size, encoder_tokenizer,
-            encoder.config.vocab_size if encoder is not None else 0,
-            getattr(encoder, "max_seq_length", encoder.max_position_embeddings) if encoder is not None else 0)
         # a generation stops ("length") before it outgrows the model's positions or the whole KV cache
         self.max_seq_len = min(max_len, num_blocks * cache.block_size)
         eos = hf.eos_token_id if hf.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, partial(
+            update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
+            StepCostModel())
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder,
+                                  config.scheduler.max_num_batched_tokens, config.model.attention_backend,
+                                  config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel)
+        if self.scheduler.cost_model is not None:
+            calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)
+        self.inputs = InputProcessor(
+            tokenizer, hf.vocab_size, max_len, num_blocks * cache.block_size, encoder_tokenizer,
+            encoder.config.vocab_size if encoder is not None else 0,
+            getattr(encoder, "max_seq_length", encoder.max_position_embeddings) if encoder is not None else 0)
         self.requests: dict[str, Request] = {}
-        self._handoff_ids: set[str] = set()  # generations to hand off once their first token is sampled
         self._ids = itertools.count()
         self.num_steps = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)  # bounded: long-lived servers
@@ -93,11 +101,9 @@ class Engine:
         params = params or SamplingParams()
         ids = self.inputs.prompt(prompt)
         req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
-                      generator=make_generator(params.seed, self.config.model.device), stream=stream)
-        rid = self._add(req)
-        if handoff:
-            self._handoff_ids.add(rid)
-        return rid
+                      generator=make_generator(params.seed, self.config.model.device), stream=stream,
+                      handoff=handoff)
+        return self._add(req)
 
     def add_prefilled(self, handoff: HandoffOutput, request_id: str | None = None) -> str:
         """Continue a generation another engine on the same model prefilled: its KV goes into this engine's
@@ -117,15 +123,14 @@ class Engine:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         req.num_computed_tokens = handoff.num_computed_tokens
-        if not self.block_manager.can_allocate(req, 0):
+        if not self.scheduler.reserve_blocks(req):
             logger.debug("no free KV blocks for handed-off request %s; queueing it for recompute", req.req_id)
             req.num_computed_tokens = 0
             return self._add(req)
-        self.block_manager.allocate(req, 0)
         try:
             self.runner.write_kv(req, *handoff.kv)
         except ValueError:
-            self.block_manager.free(req)
+            self.scheduler.remove(req)
             raise
         self.requests[req.req_id] = req
         self.scheduler.add_running(req)
@@ -158,9 +163,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.remove(req)
-        self._handoff_ids.discard(request_id)
-        req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
+        self.scheduler.finish(req, "abort", time.monotonic(), RequestStatus.ABORTED)
         return True
 
     # ---- the loop ---------------------------------------------------------------------------------------
@@ -175,15 +178,14 @@ class Engine:
         now = time.monotonic()
         stats = StepStats.from_schedule(self.num_steps, sched, len(self.scheduler.waiting),
                                         len(self.scheduler.running), self.block_manager.num_used_blocks)
-        for s in sched.scheduled:
-            s.req.first_scheduled_time = s.req.first_scheduled_time or now
-        for req in sched.encoder:
+        for req in [s.req for s in sched.scheduled] + sched.encoder:
             req.first_scheduled_time = req.first_scheduled_time or now
         result = self.runner.execute(sched)
-        for s in sched.scheduled:
-            s.req.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_computed(s.req)  # NOTE: before _process frees the blocks of finished ones
-        outputs = self._process(result, [s.req for s in sched.scheduled] + sched.encoder)
+        done = self.scheduler.update_from_output(sched, result, time.monotonic(), time.monotonic() - now)
+        outputs = [self._output(req, done) for req in done.finished]
+        outputs += [self._hand_off(req) for req in done.handoffs]
+        outputs += [GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), stream_text(req),
+                                     None, finished=False) for req in done.streamed]
         stats.step_time = time.monotonic() - now
         self.step_stats.append(stats)
         for observe in self.step_observers:
@@ -191,52 +193,22 @@ class Engine:
         self.num_steps += 1
         return outputs
 
-    def _process(self, result: RunnerOutput, reqs: list[Request]) -> list[Output]:
-        now = time.monotonic()
-        finished: list[Output] = []
-        for req in reqs:
-            if req.req_id in result.embeddings:
-                req.finish_reason = "stop"
-                finished.append(self._finish(req, now, result.embeddings[req.req_id]))
-            elif req.req_id in result.errors:
-                req.finish_reason = "error"
-                finished.append(self._finish(req, now, error=result.errors[req.req_id]))
-            elif req.req_id in result.sampled:
-                req.output_token_ids.append(result.sampled[req.req_id])
-                req.first_token_time = req.first_token_time or now
-                reason = update_output(req, self.tokenizer, self.eos_token_ids, self.max_seq_len)
-                if reason is not None:
-                    req.finish_reason = reason
-                    finished.append(self._finish(req, now))
-                elif req.req_id in self._handoff_ids:
-                    finished.append(self._hand_off(req, now))
-                elif req.stream:
-                    finished.append(GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids),
-                                                     stream_text(req), None, finished=False))
-        return finished
-
-    def _finish(self, req: Request, now: float, embedding: torch.Tensor | None = None,
-                error: str | None = None) -> Output:
-        req.status, req.finished_time = RequestStatus.FINISHED, now
-        self.scheduler.remove(req)
+    def _output(self, req: Request, done: StepResult) -> Output:
+        """The output of a request the scheduler finished this step."""
         self.requests.pop(req.req_id, None)
-        self._handoff_ids.discard(req.req_id)
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, now)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)
         if req.is_embed:
-            if error is not None:
+            if req.req_id in done.errors:
                 return EmbeddingOutput(req.req_id, req.prompt_token_ids, torch.empty(0), "error", metrics,
-                                       error=error)
-            assert embedding is not None
-            return EmbeddingOutput(req.req_id, req.prompt_token_ids, embedding, metrics=metrics)
+                                       error=done.errors[req.req_id])
+            return EmbeddingOutput(req.req_id, req.prompt_token_ids, done.embeddings[req.req_id], metrics=metrics)
         return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
                                 req.finish_reason, metrics)
 
-    def _hand_off(self, req: Request, now: float) -> HandoffOutput:
+    def _hand_off(self, req: Request) -> HandoffOutput:
         """Stop `req` after its first token: copy its KV out, free its blocks, return what another engine needs."""
-        self._handoff_ids.discard(req.req_id)
         kv = self.runner.read_kv(req)
-        req.status, req.finished_time = RequestStatus.FINISHED, now
-        self.scheduler.remove(req)
+        self.scheduler.release(req, time.monotonic())
         self.requests.pop(req.req_id, None)
         assert req.sampling_params is not None
         return HandoffOutput(

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.engine import Engine
-from orthrus_rag.layers.linear import onednn_available, pack_linears
+from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
@@ -40,8 +40,23 @@ def build_engine(config: EngineConfig) -> Engine:
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
-    if mc.onednn_linear and onednn_available(mc.torch_dtype, mc.device):
+    if mc.compile_elementwise and torch.device(mc.device).type == "cuda":
+        model.compile_elementwise()
+    if _use_onednn(mc.linear_kernel, model, mc.torch_dtype, mc.device):
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:
             pack_linears(encoder)
     return Engine(config, model, tokenizer, slots, encoder, encoder_tokenizer, encoder_pooling)
+
+
+def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device: str) -> bool:
+    if kernel == "dense" or not onednn_available(dtype, device):
+        return False
+    if kernel == "onednn":
+        return True
+    shapes = []
+    for parent in model.modules():
+        shapes += [(f.carrier.in_features, f.carrier.out_features) for f in getattr(parent, "fusions", {}).values()]
+        shapes += [(m.in_features, m.out_features) for m in parent.children()
+                   if isinstance(m, torch.nn.Linear) and not getattr(m, "_fused", False)]
+    return choose_kernel(shapes) == "onednn"

@@ -28,6 +28,7 @@ class Lane:
 
 class Policy(Protocol):
     name: str
+    sizes_steps_by_cost: bool  # steps with decodes sized by predicted time (engine/step_cost.py), not tokens only
 
     def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
         """(embedding work allowed, generation work allowed) this step."""
@@ -51,6 +52,7 @@ def _interleave(a: list[Request], b: list[Request]) -> list[Request]:
 
 class _Base:
     name = "base"
+    sizes_steps_by_cost = False  # NOTE: the baselines keep their published rule, a fixed token budget
 
     def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
         return True, True
@@ -68,6 +70,7 @@ class OrthrusPolicy(_Base):
     paper's weak spot: embedding tail latency when generation dominates)."""
 
     name = "orthrus"
+    sizes_steps_by_cost = True
 
     def __init__(self, min_share: float = 0.1) -> None:
         self.min_share = min_share
@@ -84,10 +87,14 @@ class OrthrusPolicy(_Base):
 
     def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
+        # NOTE: latency-critical work (priority < 0: e.g. the query a multi-hop chain waits on) first; a 30-token
+        # query would otherwise get a sliver of the split beside 1,000-token prompts
+        urgent = [r for r in embed + prefill if r.priority < 0]
+        first = [Lane(urgent, residual)] if urgent else []
         rem_e, rem_p = sched.remaining_cost(embed), sched.remaining_cost(prefill)
         if rem_e == 0 or rem_p == 0:
             self._carry = 0.0
-            return [Lane(embed, residual), Lane(prefill, residual)] if rem_e + rem_p else []
+            return first + ([Lane(embed, residual), Lane(prefill, residual)] if rem_e + rem_p else [])
         share_e = min(max(rem_e / (rem_e + rem_p), self.min_share), 1.0 - self.min_share)
         # NOTE: the fractional part carries over, so over a few steps each kind gets its share even when a
         # step's residual is too small to split (a tiny share would otherwise round to 0 for ever)
@@ -98,7 +105,7 @@ class OrthrusPolicy(_Base):
         # NOTE: the kind whose oldest pending request arrived first fills first (it matters for max_num_seqs)
         if prefill and (not embed or prefill[0].arrival_time < embed[0].arrival_time):
             lanes.reverse()
-        return lanes
+        return first + lanes
 
 
 class QueueLengthPriorityPolicy(_Base):

@@ -39,6 +39,7 @@ class Request:
     adapter_slot: int = 0  # 0: no adapter; i > 0: the i-th loaded LoRA adapter
     on_encoder: bool = False
     stream: bool = False  # a generating request that reports every new token, not only its end
+    handoff: bool = False  # hand it to another engine once its first token is sampled (engine/handoff.py)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -58,9 +59,15 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
 
+    def __post_init__(self) -> None:
+        # NOTE: a plain attribute, not a property: the scheduler asks it thousands of times per step
+        self.is_embed: bool = self.kind is RequestKind.EMBED
+
     @property
-    def is_embed(self) -> bool:
-        return self.kind is RequestKind.EMBED
+    def priority(self) -> int:
+        """Lower runs sooner; below 0: latency-critical (params.py)."""
+        params = self.pooling_params if self.is_embed else self.sampling_params
+        return getattr(params, "priority", 0)
 
     @property
     def num_prompt_tokens(self) -> int:

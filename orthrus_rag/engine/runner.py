@@ -15,7 +15,9 @@ import torch
 
 from orthrus_rag.engine.request import Request
 from orthrus_rag.engine.scheduler import SchedulerOutput
-from orthrus_rag.layers.attention import AttentionMetadata, build_decode_group, build_packed_group
+from orthrus_rag.engine.cuda_graphs import DecodeGraphs
+from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, select_backend
+from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
 from orthrus_rag.layers.sampler import Sampler
@@ -27,40 +29,42 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req_id -> new token
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> pooled result
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why its pooling failed
-
-
-@dataclass
-class _FlatBatch:
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slot_mapping: list[torch.Tensor] = field(default_factory=list)
-    # per-sequence bookkeeping
-    packed: list[tuple[int, int, int, Request]] = field(default_factory=list)  # (seq, start row, n, req)
-    decode: list[tuple[int, Request]] = field(default_factory=list)  # (row, req)
-    lora_rows: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    # what ran, as executed (not as scheduled): rows of each kind in the one decoder forward, encoder rows
+    num_decoder_forwards: int = 0
+    num_embed_rows: int = 0
+    num_generate_rows: int = 0
+    num_encoder_rows: int = 0
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, encoder: torch.nn.Module | None = None) -> None:
+                 dtype: torch.dtype, encoder: torch.nn.Module | None = None, max_num_batched_tokens: int = 2048,
+                 attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0,
+                 cpu_decode_kernel: bool = False) -> None:
         self.model = model
         self.encoder = encoder
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
         self.windows = {layer.window for layer in model.attention_layers}
-        num_slots = num_blocks * block_size
-        # NOTE: zeros, not empty: padded decode slots are masked, but 0 * NaN garbage would still be NaN
+        self.attn_backend = select_backend(attention_backend, device)
+        self.num_slots = num_blocks * block_size
+        # NOTE: rows past the paged region take the K/V of tokens the cache does not keep (an embedding's final
+        # chunk), one per token of a step, so attention reads every key from the cache (attention/metadata.py)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        rows = self.num_slots + max_num_batched_tokens
+        # NOTE: zeros, not empty: padded key positions are masked, but 0 * NaN garbage would still be NaN
         self.kv_caches = [
-            (torch.zeros((num_slots, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device),
-             torch.zeros((num_slots, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
+            (torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device),
+             torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
             for layer in model.attention_layers]
-
-    def _bind_cache(self) -> None:
-        """Point the attention layers at this runner's cache (cheap). Engines that share one model object may
-        take turns stepping (tests, handoff); they must not step it from two threads at once."""
-        for layer, (k, v) in zip(self.model.attention_layers, self.kv_caches):
-            layer.k_cache, layer.v_cache = k, v
+        # CPU, fp32: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
+        self.decode_kernel = (cpu_decode_kernel and device.type == "cpu" and dtype == torch.float32
+                              and decode_kernel_available())
+        self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
+        if cuda_graphs and device.type == "cuda":
+            self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.windows, self.num_slots,
+                                              min(max_num_batched_tokens, 512), max_seq_len, device)
 
     def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of `req` (vectorised: contexts can be thousands long)."""
@@ -85,50 +89,40 @@ class ModelRunner:
             k_cache[slots] = k[i].to(device=self.device, dtype=k_cache.dtype)
             v_cache[slots] = v[i].to(device=self.device, dtype=v_cache.dtype)
 
-    def _flatten(self, sched: SchedulerOutput) -> _FlatBatch:
-        b = _FlatBatch()
-        for seq, s in enumerate(sched.scheduled):
-            req, n, start = s.req, s.num_new_tokens, len(b.input_ids)
+    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list]:
+        """The flat batch's token ids, the step's attention metadata and LoRA rows; host work per request is list
+        appends only."""
+        ids: list[int] = []
+        query_lens, context_lens, tables, keeps = [], [], [], []
+        lora_rows: dict[int, list[range]] = defaultdict(list)
+        for s in sched.scheduled:
+            req, n = s.req, s.num_new_tokens
             nc = req.num_computed_tokens
-            b.input_ids.extend(req.token_ids_slice(nc, nc + n))
-            b.positions.extend(range(nc, nc + n))
-            writes = req.needs_kv(n)
-            b.slot_mapping.append(self._slots(req, nc, nc + n) if writes else torch.full((n,), -1))
-            if n == 1 and writes:
-                b.decode.append((start, req))
-            else:
-                b.packed.append((seq, start, n, req))
             if req.adapter_slot:
-                b.lora_rows[req.adapter_slot].extend(range(start, start + n))
-        return b
+                lora_rows[req.adapter_slot].append(range(len(ids), len(ids) + n))
+            ids.extend(req.token_ids_slice(nc, nc + n))
+            query_lens.append(n)
+            context_lens.append(nc)
+            tables.append(req.block_table)
+            keeps.append(req.needs_kv(n))
+        if len(ids) > self.max_num_batched_tokens:
+            raise ValueError(f"a step of {len(ids)} tokens exceeds the runner's {self.max_num_batched_tokens} "
+                             "(max_num_batched_tokens)")
+        meta = build_metadata(query_lens, context_lens, tables, keeps, self.block_size, self.num_slots, self.device)
+        meta.decode_kernel = self.decode_kernel
+        lora = [(slot, torch.tensor([r for rng in ranges for r in rng], dtype=torch.long, device=self.device))
+                for slot, ranges in lora_rows.items()]
+        return torch.tensor(ids, dtype=torch.long, device=self.device), meta, lora
 
-    def _attention_metadata(self, b: _FlatBatch) -> AttentionMetadata:
-        dev = self.device
-        meta = AttentionMetadata(num_tokens=len(b.input_ids), slot_mapping=torch.cat(b.slot_mapping).to(dev))
-        if b.packed:
-            rows, q_seq, q_pos, cached_slots, k_seq, k_pos = [], [], [], [], [], []
-            for seq, start, n, req in b.packed:
-                nc = req.num_computed_tokens
-                rows.append(torch.arange(start, start + n))
-                q_seq.append(torch.full((n,), seq))
-                q_pos.append(torch.arange(nc, nc + n))
-                cached_slots.append(self._slots(req, 0, nc))
-                k_seq.append(torch.full((nc,), seq))
-                k_pos.append(torch.arange(nc))
-            meta.packed = build_packed_group(*(torch.cat(x).to(dev) for x in (rows, q_seq, q_pos, cached_slots,
-                                                                              k_seq, k_pos)), self.windows)
-        if b.decode:
-            seq_lens = torch.tensor([req.num_computed_tokens + 1 for _, req in b.decode])
-            width = int(seq_lens.max())
-            tables = torch.zeros((len(b.decode), -(-width // self.block_size)), dtype=torch.long)
-            for i, (_, req) in enumerate(b.decode):
-                tables[i, :len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.long)
-            pos = torch.arange(width)
-            # padding positions map to some valid slot; the mask hides them
-            slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
-            meta.decode = build_decode_group(torch.tensor([r for r, _ in b.decode], device=dev), slots.to(dev),
-                                             seq_lens.to(dev), self.windows)
-        return meta
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, lora: list) -> torch.Tensor:
+        """One decoder forward: a captured decode graph where one fits, else eager with the attention backend's
+        plan (built once here, reused by every layer)."""
+        if self.decode_graphs is not None and self.decode_graphs.eligible(meta, bool(lora)):
+            return self.decode_graphs.run(input_ids, meta)
+        meta.plan = self.attn_backend.plan(meta, self.windows)
+        ctx = ForwardContext(attn=meta, attn_backend=self.attn_backend, kv_caches=self.kv_caches, lora_rows=lora)
+        with forward_context(ctx):
+            return self.model(input_ids, meta.positions)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -140,27 +134,27 @@ class ModelRunner:
         return out
 
     def _run_decoder(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
-        b = self._flatten(sched)
-        ctx = ForwardContext(attn=self._attention_metadata(b), lora_rows=[
-            (slot, torch.tensor(rows, dtype=torch.long, device=self.device)) for slot, rows in b.lora_rows.items()])
-        self._bind_cache()
-        input_ids = torch.tensor(b.input_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(b.positions, dtype=torch.long, device=self.device)
-        with forward_context(ctx):
-            hidden = self.model(input_ids, positions)
+        input_ids, meta, lora = self._prepare(sched)
+        positions = meta.positions
+        hidden = self._forward(input_ids, meta, lora)
+        out.num_decoder_forwards += 1
         # generation rows: the last row of every request whose known tokens are now all computed
         sample_rows, sample_reqs = [], []
         start = 0
         for s in sched.scheduled:
             req, n = s.req, s.num_new_tokens
             if req.is_embed:
+                out.num_embed_rows += n
                 self._pool(req, hidden[start:start + n], positions[start:start + n], n, out)
-            elif req.num_computed_tokens + n == req.num_tokens:
-                sample_rows.append(start + n - 1)
-                sample_reqs.append(req)
+            else:
+                out.num_generate_rows += n
+                if req.num_computed_tokens + n == req.num_tokens:
+                    sample_rows.append(start + n - 1)
+                    sample_reqs.append(req)
             start += n
         if sample_reqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            rows = torch.tensor(sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
             tokens = self.sampler(logits, [r.sampling_params for r in sample_reqs],
                                   [r.generator for r in sample_reqs]).tolist()
             out.sampled.update((r.req_id, tok) for r, tok in zip(sample_reqs, tokens))
@@ -186,6 +180,7 @@ class ModelRunner:
         seq_lens = [r.num_tokens for r in reqs]
         hidden = self.encoder(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                               seq_lens)
+        out.num_encoder_rows += len(ids)
         start = 0
         for req, n in zip(reqs, seq_lens):
             self._finish_pool(req, lambda h=hidden[start:start + n], r=req: pool_whole(h, r.pooling_params), out)

@@ -5,18 +5,25 @@ Order per step: running decodes (one token each), then the residual budget share
 their kind, each chunked to fill what is left (`max_chunk_tokens` caps a chunk).
 Encoder requests (separate bidirectional model) run whole; their tokens cost `encoder_token_weight` each.
 When KV blocks run out, the newest running request is preempted (recompute).
+
+After a step, `update_from_output` is the one place that applies its outcome (vLLM's `update_from_output`,
+nano-vllm's `postprocess`): computed tokens, prefix-cache registration, sampled tokens and stop checks,
+finished requests leaving the queues and freeing their blocks. The engine only turns the result into outputs.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.block_manager import BlockManager
 from orthrus_rag.engine.policies import Policy, make_policy
 from orthrus_rag.engine.request import Request, RequestStatus
+from orthrus_rag.engine.step_cost import StepCostModel, StepShape
 
 
 @dataclass
@@ -37,17 +44,51 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled and not self.encoder
 
+    def shape(self) -> StepShape:
+        """The step's work, for the cost model (call before the step's tokens count as computed)."""
+        tokens = pairs = 0
+        for s in self.scheduled:
+            tokens += s.num_new_tokens
+            pairs += s.num_new_tokens * (s.req.num_computed_tokens + s.num_new_tokens)
+        return StepShape(tokens, pairs, sum(r.num_tokens for r in self.encoder))
+
+
+@dataclass
+class StepResult:
+    """What one executed step changed, for the engine to turn into outputs."""
+
+    finished: list[Request] = field(default_factory=list)  # finish_reason set, out of the queues, blocks freed
+    streamed: list[Request] = field(default_factory=list)  # unfinished streaming generations with a new token
+    handoffs: list[Request] = field(default_factory=list)  # first token sampled; blocks kept until `release`
+    embeddings: dict[str, Any] = field(default_factory=dict)  # req_id -> pooled result (finished ones)
+    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why pooling failed (finished ones)
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 stop_checker: Callable[[Request], str | None] | None = None,
+                 cost_model: StepCostModel | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        # after a sampled token is appended: a finish reason or None (engine/detokenizer.py); None: never stops
+        self.stop_checker = stop_checker or (lambda req: None)
         self.policy: Policy = make_policy(config.policy, config.min_share)
+        # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
+        self.cost_model = cost_model if config.cost_budget and self.policy.sizes_steps_by_cost else None
+        self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
+        self._pending: dict[bool, list[Request]] | None = None  # pending() snapshots while a step is scheduled
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # started decoder requests, oldest first
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def reserve_blocks(self, req: Request) -> bool:
+        """Blocks for the tokens `req` already has computed elsewhere (a handed-over request), if free."""
+        if not self.block_manager.can_allocate(req, 0):
+            return False
+        self.block_manager.allocate(req, 0)
+        return True
 
     def add_running(self, req: Request) -> None:
         """Admit a decoding request whose KV is already in its blocks (handed over from another engine) straight
@@ -67,6 +108,47 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.block_manager.free(req)
+
+    def finish(self, req: Request, reason: str, now: float, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        req.status, req.finish_reason, req.finished_time = status, reason, now
+        self.remove(req)
+
+    def release(self, req: Request, now: float) -> None:
+        """A handed-off request: the engine has copied its KV; it leaves this engine."""
+        self.finish(req, "handoff", now)
+
+    # ---- after a step ----------------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, output: Any, now: float,
+                           step_time: float | None = None) -> StepResult:
+        """Apply an executed step (`output`: the runner's RunnerOutput, `step_time`: its measured seconds) to
+        the requests it ran."""
+        result = StepResult()
+        if self.cost_model is not None and step_time is not None:
+            self.cost_model.observe(sched.shape(), step_time)
+        for s in sched.scheduled:
+            s.req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_computed(s.req)  # NOTE: before finished requests free their blocks
+        for req in [s.req for s in sched.scheduled] + sched.encoder:
+            rid = req.req_id
+            if rid in output.embeddings or rid in output.errors:
+                if rid in output.errors:
+                    result.errors[rid] = output.errors[rid]
+                else:
+                    result.embeddings[rid] = output.embeddings[rid]
+                self.finish(req, "error" if rid in output.errors else "stop", now)
+                result.finished.append(req)
+            elif rid in output.sampled:
+                req.output_token_ids.append(output.sampled[rid])
+                req.first_token_time = req.first_token_time or now
+                reason = self.stop_checker(req)
+                if reason is not None:
+                    self.finish(req, reason, now)
+                    result.finished.append(req)
+                elif req.handoff:
+                    result.handoffs.append(req)
+                elif req.stream:
+                    result.streamed.append(req)
+        return result
 
     def _encoder_cost(self, req: Request) -> int:
         return max(1, math.ceil(req.num_tokens * self.config.encoder_token_weight))
@@ -106,8 +188,13 @@ class Scheduler:
     def pending(self, embed: bool) -> list[Request]:
         """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission
         order), then waiting ones (arrival order; preempted requests were put back at the front)."""
+        if self._pending is not None and embed in self._pending:
+            return self._pending[embed]  # NOTE: one snapshot per step: policies ask several times
         inflight = [r for r in self.running if r.is_embed == embed and not r.is_decoding]
-        return inflight + [r for r in self.waiting if r.is_embed == embed]
+        pending = inflight + [r for r in self.waiting if r.is_embed == embed]
+        if self._pending is not None:
+            self._pending[embed] = pending
+        return pending
 
     def remaining_cost(self, reqs: list[Request]) -> int:
         """Budget tokens `reqs` still need (encoder tokens weighted by their relative cost)."""
@@ -115,6 +202,13 @@ class Scheduler:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._pending = {}
+        try:
+            return self._schedule_step()
+        finally:
+            self._pending = None
+
+    def _schedule_step(self) -> SchedulerOutput:
         allow_embed, allow_generate = self.policy.step_kinds(self)
         out = self._schedule(allow_embed, allow_generate)
         if out.is_empty and self.has_unfinished():
@@ -130,6 +224,8 @@ class Scheduler:
     def _schedule(self, allow_embed: bool, allow_generate: bool, reserve: bool = True) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
+        self._pending = {}
+        self._cap = cfg.max_num_batched_tokens
         # 1. decodes: one token each, leaving the sequence slots the policy reserves for the other kind
         if allow_generate:
             max_decodes = cfg.max_num_seqs - (self.policy.reserved_seqs(self) if reserve else 0)
@@ -138,6 +234,8 @@ class Scheduler:
                     break
                 if req in self.running:
                     self._schedule_running(req, 1, out)
+        self._cap = self._step_cap(out)
+        self._pending = {}  # decodes may have preempted: the lanes see the queues as they are now
         # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
         allowed = {True: allow_embed, False: allow_generate}
         for lane in self.policy.lanes(self, self._budget_left(out)):
@@ -159,8 +257,27 @@ class Scheduler:
         out.num_batched_tokens += extra
         out.budget_used += extra
 
+    @property
+    def step_cap(self) -> int:
+        """The budget of the step being (or last) scheduled: max_num_batched_tokens, or less when the step-cost
+        model sized a step that carries decodes."""
+        return self._cap
+
     def _budget_left(self, out: SchedulerOutput) -> int:
-        return self.config.max_num_batched_tokens - out.budget_used
+        return self._cap - out.budget_used
+
+    def _step_cap(self, out: SchedulerOutput) -> int:
+        """This step's token budget once its decodes are in: what fits in the step-time target beside them (a
+        kind alone gets whole steps: without decodes the cap is max_num_batched_tokens)."""
+        cfg, cost = self.config, self.cost_model
+        if cost is None or not out.scheduled:
+            return cfg.max_num_batched_tokens
+        shape = out.shape()
+        target = cfg.step_time_target or (1.0 + cfg.step_time_margin) * cost.predict(shape)
+        chunks = [r.num_computed_tokens for r in self.running if not r.is_decoding]
+        keys_per_token = (sum(chunks) / len(chunks) if chunks else 0.0) + cfg.max_chunk_tokens / 2
+        extra = max(cost.tokens_within(shape, target, keys_per_token), cfg.min_step_tokens)
+        return min(cfg.max_num_batched_tokens, out.budget_used + extra)
 
     def _fill(self, candidates: list[Request], cap: int | None, out: SchedulerOutput) -> None:
         """Chunk candidates in order into at most `cap` budget tokens. In-flight requests continue (and may

@@ -1,7 +1,7 @@
 """Per-step forward context: what every layer of one forward pass needs besides its input.
 
-The runner builds it once per step; attention layers read the attention metadata and LoRA layers read which
-token rows belong to which adapter. A thread-local slot (as nano-vllm's global context) keeps layer signatures
+The runner builds it once per step; attention layers read the attention metadata, the backend that computes
+it and their layer's KV cache, and LoRA layers read which token rows belong to which adapter. A thread-local slot (as nano-vllm's global context) keeps layer signatures
 plain.
 """
 
@@ -18,7 +18,9 @@ import torch
 
 @dataclass
 class ForwardContext:
-    attn: Any = None  # orthrus_rag.layers.attention.AttentionMetadata
+    attn: Any = None  # orthrus_rag.layers.attention.AttentionMetadata, with its backend's plan
+    attn_backend: Any = None  # the module computing it (orthrus_rag.layers.attention: grouped, varlen, ...)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (K, V) per layer
     # (adapter slot >= 1, row indices of the flat batch that use it); rows of slot 0 use the base weights
     lora_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 

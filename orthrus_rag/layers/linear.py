@@ -1,21 +1,30 @@
-"""Linear layers on oneDNN for fp32 on CPU.
+"""Linear layers' GEMM kernel on CPU: torch's dense fp32 matmul (MKL) or a oneDNN-packed copy of the weight.
 
-torch's dense fp32 matmul goes to MKL's sgemm, which on AMD CPUs (this project's 2-core EPYC) runs about half as
-fast as oneDNN on the same shapes (measured 205-225 vs 400-475 GFLOP/s for 128-512 x 576 x 1536 on 2 threads);
-vLLM's CPU backend uses oneDNN too. `pack_linears` keeps a oneDNN copy of each Linear's weight (the dense
-Parameters stay, so state_dict, weight tying and adapters see no change) and routes the forward through it.
-The cost is a second copy of the linear weights in memory, acceptable for the small models the CPU path runs.
+Which is faster depends on the CPU, so the engine measures at load time (`choose_kernel`) rather than assuming:
+on an AMD EPYC (session 2) MKL's sgemm reached ~205-225 GFLOP/s on 2 threads against oneDNN's ~400-475 on the
+model's shapes; on a Xeon (Emerald Rapids, 2 threads) MKL is as fast for 32-256 rows and 1.5-3x faster for one
+row (a decode step at batch 1), because oneDNN's public path converts each activation to its layout and back.
+Where torch has `mkldnn._linear_pointwise` (dense input against a packed weight, what inductor emits) the
+conversion is skipped.
+
+`pack_linears` keeps a oneDNN copy of each Linear's weight (the dense Parameters stay, so state_dict, weight
+tying and adapters see no change) and routes the forward through it: a second copy of the linear weights in
+memory, acceptable for the small models the CPU path runs.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
+KERNELS = ("auto", "dense", "onednn")
 
 
 def onednn_available(dtype: torch.dtype, device: str | torch.device) -> bool:
@@ -23,13 +32,27 @@ def onednn_available(dtype: torch.dtype, device: str | torch.device) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def _pointwise_op():  # -> torch.ops.mkldnn._linear_pointwise or None
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    return op if op is not None and torch.backends.mkldnn.is_available() else None
+
+
+_POINTWISE = _pointwise_op()
+
+
+def onednn_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    w, b = packed
+    if _POINTWISE is not None:
+        return _POINTWISE(x, w, b, "none", [], "")
+    return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), w, b.to_mkldnn()).to_dense()
+
+
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`module`'s affine map, on its oneDNN copy when it has one."""
     packed = getattr(module, "_onednn", None)
     if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, module.weight, module.bias)
-    w, b = packed
-    return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), w, b).to_dense()
+    return onednn_linear(x, packed)
 
 
 class PackedLinear(nn.Linear):
@@ -50,16 +73,20 @@ def pack_module(module: nn.Linear) -> None:
         w = module.weight.detach().contiguous().to_mkldnn()
         bias = module.bias.detach() if module.bias is not None else torch.zeros(module.out_features)
         # NOTE: a plain attribute, not a buffer: it must not reach state_dict or `.to()`
-        module._onednn = (w, bias.contiguous().to_mkldnn())  # type: ignore[assignment]
+        module._onednn = (w, bias.contiguous())  # type: ignore[assignment]
 
 
 def pack_linears(model: nn.Module) -> int:
     """Give every nn.Linear of `model` a oneDNN copy; plain ones become PackedLinear (subclasses such as
-    LoRALinear call `linear` themselves). Returns how many were packed."""
+    LoRALinear call `linear` themselves). Layers computed through a fused projection (layers/fused.py) are
+    skipped: the fusion's own weight is packed instead. Returns how many were packed."""
     count = 0
     for parent in list(model.modules()):
+        for fusion in getattr(parent, "fusions", {}).values():
+            pack_module(fusion.carrier)
+            count += 1
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or getattr(child, "_fused", False):
                 continue
             if type(child) is nn.Linear:
                 child = PackedLinear(child)
@@ -68,3 +95,35 @@ def pack_linears(model: nn.Module) -> int:
             count += 1
     logger.info("packed %d linear layers for oneDNN", count)
     return count
+
+
+def _time(fn, repeats: int = 3) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+@torch.inference_mode()
+def choose_kernel(shapes: Iterable[tuple[int, int]], rows: tuple[int, ...] = (1, 16, 64, 256)) -> str:
+    """'dense' or 'onednn', whichever runs the given (in, out) weight shapes faster here (a few tens of
+    milliseconds on a small model). Every (shape, batch) pair weighs the same, by the geometric mean of the time
+    ratios: decode steps (a few rows) matter as much as prompt chunks, although they take less time each.
+    oneDNN must win by 5% to be chosen: its packed copy costs memory."""
+    shapes = sorted(set(shapes))
+    log_ratio, count = 0.0, 0
+    for k, n in shapes:
+        w, b = torch.randn(n, k) * 0.02, torch.zeros(n)
+        layer = nn.Linear(k, n)
+        layer.weight.data, layer.bias.data = w, b
+        pack_module(layer)
+        for m in rows:
+            x = torch.randn(m, k)
+            log_ratio += math.log(_time(lambda: linear(layer, x)) / _time(lambda: F.linear(x, w, b)))
+            count += 1
+    ratio = math.exp(log_ratio / max(count, 1))
+    choice = "onednn" if ratio < 0.95 else "dense"
+    logger.info("linear kernel: %s (oneDNN takes %.2fx the dense time, geometric mean over %d shapes x batches %s)",
+                choice, ratio, len(shapes), rows)
+    return choice

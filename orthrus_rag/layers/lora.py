@@ -115,6 +115,8 @@ class LoRALinear(nn.Linear):
         self.bias = base.bias
         if getattr(base, "_onednn", None) is not None:  # keep a packed base's oneDNN copy (layers/linear.py)
             self._onednn = base._onednn
+        if getattr(base, "_fused", False):  # computed through a fused projection (layers/fused.py)
+            self._fused = True
         self.scalings: dict[int, float] = {}
 
     def add_adapter(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
@@ -125,7 +127,11 @@ class LoRALinear(nn.Linear):
         self.scalings[slot] = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(self, x)
+        return self.add_lora(x, linear(self, x))
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (this layer's base output on `x`, possibly a slice of a fused projection's) plus each adapter's
+        update on the rows the forward context assigns it."""
         lora_rows = get_forward_context().lora_rows
         if not lora_rows or not self.scalings:
             return y

@@ -7,13 +7,14 @@ find their target modules.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from orthrus_rag.layers.attention import paged_attention
 from orthrus_rag.layers.context import get_forward_context
+from orthrus_rag.layers.fused import fuse, project
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -25,11 +26,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: same op order as transformers' LlamaRMSNorm (float32 statistics) for greedy parity
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # NOTE: transformers' LlamaRMSNorm normalises in float32, casts back, then scales; F.rms_norm is one fused
+        # op with the same result (bit-identical in fp32, measured)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,18 +54,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and a *signed* sin [T, D] for `apply_rotary`: the sin's first half negated, so that rotating half
+        the features is one `roll` (no slicing, negating and concatenating per layer)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]: transformers' `x * cos + rotate_half(x) * sin`, bit for bit (roll(x) = [x2, x1], and
+    [x2, x1] * [-s, s] = [-x2 * s, x1 * s] = rotate_half(x) * sin)."""
+    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def _layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -78,8 +82,11 @@ def _layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
 
 
 class Attention(nn.Module):
+    QKV = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which of the runner's KV caches is this layer's
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -92,21 +99,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
-        self.k_cache: torch.Tensor | None = None  # [num_slots, KVH, D], bound by the runner
-        self.v_cache: torch.Tensor | None = None
+        self.rotary = apply_rotary  # CausalLM.compile_elementwise swaps in a fused kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        meta = get_forward_context().attn
-        assert meta is not None and self.k_cache is not None, "forward outside a runner step"
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        q, k, v = project(self, "qkv", self.QKV, x)
+        q = self.rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = self.rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        ctx = get_forward_context()
+        assert ctx.attn is not None, "forward outside a runner step"
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        o = ctx.attn_backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, ctx.attn,
+                                     self.scale, self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    GATE_UP = ("gate_proj", "up_proj")
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
@@ -114,9 +124,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
+        self.act_mul = silu_mul if config.hidden_act == "silu" else (lambda gate, up: self.act(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, "gate_up", self.GATE_UP, x)
+        return self.down_proj(self.act_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -167,6 +179,22 @@ class CausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def compile_elementwise(self) -> None:
+        """Rotary embedding and SiLU-and-multiply as fused kernels (torch.compile: Triton on CUDA, C++ on CPU):
+        two launches where eager mode takes ten per layer. RMSNorm is already one fused op (F.rms_norm)."""
+        rotary = torch.compile(apply_rotary, dynamic=True, fullgraph=True)
+        act_mul = torch.compile(silu_mul, dynamic=True, fullgraph=True)
+        for layer in self.model.layers:
+            layer.self_attn.rotary = rotary
+            if layer.mlp.act_mul is silu_mul:
+                layer.mlp.act_mul = act_mul
+
+    def fuse_projections(self) -> None:
+        """Q/K/V and gate/up as one GEMM each (layers/fused.py). Call once the weights are on their device."""
+        for layer in self.model.layers:
+            fuse(layer.self_attn, "qkv", Attention.QKV)
+            fuse(layer.mlp, "gate_up", MLP.GATE_UP)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -60,4 +60,5 @@ def load_weights(model: CausalLM, path: Path) -> None:
 def load_decoder(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     model = build_decoder(load_config(path), dtype, device)
     load_weights(model, path)
+    model.fuse_projections()
     return model.eval()

@@ -1,0 +1,143 @@
+"""A C++ decode-attention kernel for the CPU: each cached key and value is read once, straight from the paged
+cache.
+
+On long contexts a decode step is memory-bound: gathering every sequence's K/V into a padded tensor (one copy
+read and written) and then running SDPA over it (a second read) moved ~3x the bytes attention needs. Measured
+with SmolLM2 on 2 Xeon cores, 40 sequences of ~1,000 tokens: a decode step took 695 ms, 69% of it in the gather
+(`index_select`) and 17% in SDPA, 10% in the GEMMs. vLLM's CPU backend reads the paged cache in its own C++
+kernel; so does this one.
+
+The kernel takes the step's key slots per sequence (planned once per step, shared by every layer) and, per
+(sequence, KV head) in parallel, scores the query heads of that KV head against each key, applies a softmax and
+sums the values: fp32, one pass over K, one over V. It is compiled on first use with torch's C++ extension
+loader (needs a C++ compiler and ninja) into torch's extension cache, one build per CPU model; if that fails,
+the grouped backend keeps its SDPA path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+// NOTE: built with -ffast-math so that the exp loop vectorises (libmvec); scores are finite by construction
+
+// q [B, H, D]; caches [slots, KVH, D]; key_slots [B, W] (int64); seq_lens [B] (int64). Returns [B, H, D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor key_slots, torch::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+              v_cache.scalar_type() == torch::kFloat, "decode_attention: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && key_slots.is_contiguous() &&
+              seq_lens.is_contiguous(), "decode_attention: contiguous caches and indices");
+  q = q.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), G = H / KVH, W = key_slots.size(1);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "decode_attention: head shapes");
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* slots = key_slots.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(G * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t len = std::min<int64_t>(lens[b], W);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      scores.assign(G * n, 0.f);
+      const float* qb = qp + (b * H + h * G) * D;
+      const int64_t* sb = slots + b * W + first;
+      for (int64_t p = 0; p < n; ++p) {
+        const float* k = kp + (sb[p] * KVH + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qb + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+          scores[g * n + p] = s * sc;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < n; ++p) m = std::max(m, sg[p]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t p = 0; p < n; ++p) { sg[p] = std::exp(sg[p] - m); total += sg[p]; }
+        const float inv = 1.f / total;
+        for (int64_t p = 0; p < n; ++p) sg[p] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < n; ++p) {
+        const float* v = vp + (sb[p] * KVH + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * n + p];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, op + (b * H + h * G + g) * D);
+    }
+  });
+  return out;
+}
+"""
+
+_LOCK = threading.Lock()
+
+
+def _build_name() -> str:
+    """One build per CPU model and torch version: `-march=native` code must not run on another CPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    digest = hashlib.sha256(f"{cpu}|{torch.__version__}|{_SOURCE}".encode()).hexdigest()[:12]
+    return f"orthrus_decode_attention_{digest}"
+
+
+@lru_cache(maxsize=1)
+def _module() -> Any:  # the compiled extension, or None where it cannot be built
+    from torch.utils import cpp_extension
+
+    with _LOCK:
+        try:
+            logger.info("compiling the CPU decode-attention kernel (once per machine; ~30-60 s)")
+            return cpp_extension.load_inline(
+                name=_build_name(), cpp_sources=[_SOURCE], functions=["decode_attention"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                verbose=False)
+        except Exception as exc:  # NOTE: no compiler, no ninja, an unusual platform: SDPA still works
+            logger.warning("CPU decode-attention kernel unavailable (%s: %s); using SDPA", type(exc).__name__, exc)
+            return None
+
+
+def decode_kernel_available() -> bool:
+    return _module() is not None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """q [B, H, D] against each sequence's keys `key_slots[b, :seq_lens[b]]` in the paged caches; [B, H, D]."""
+    return _module().decode_attention(q, k_cache, v_cache, key_slots, seq_lens, scale, -1 if window is None else window)

@@ -1,0 +1,337 @@
+"""One-command GPU benchmark of the engine, side by side with transformers on the same random weights.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_bench.py --tokenizer tok/ --out $OUT/gpu_bench      # H200, < 6 minutes
+    python scripts/gpu_bench.py --device cpu --shape tiny --out runs/gpu_bench_cpu             # dry run (tests)
+
+Needs only torch, transformers and safetensors, and no weights: models are random-initialised (an 8B-shaped
+Llama: hidden 4096, 32 layers, 32/8 heads, intermediate 14336) and the SmolLM2 tokenizer files come from
+`--tokenizer` or $ORTHRUS_TOKENIZER (default: the built-in SmolLM2 folder where it is converted). Sections:
+
+- parity: fp32, a 12-layer SmolLM2-shaped model: greedy tokens of the engine (chunk budgets 64 and 4,096)
+  against transformers' on the same weights (identical up to a near-tie), and mean-pooled embedding cosine;
+- decode: B=64 prompts of 128 tokens, 128 new tokens each: median decode step against the HBM floor (weight
+  bytes / bandwidth), with and without CUDA graphs, and transformers' `generate` tokens/s;
+- embed: 512 texts of 256 tokens, mean pooling: TFLOP/s against the GEMM peak, and transformers' padded batches;
+- mixed: 128 generations (128 + 128 tokens) and 512 embeddings (256 tokens) submitted together, per policy,
+  against running them apart on the same engine and against transformers (generate, then embed); runs in
+  A B B A order after a warm-up (a fresh process's first runs were up to 2x slower).
+
+Prints one JSON line per result and writes results.json and table.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, PoolingParams, SamplingParams, SchedulerConfig
+from orthrus_rag.models.llama import CausalLM
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8),
+    "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+}
+PARITY_SHAPE = dict(SHAPES["smol"], num_hidden_layers=12)
+POLICIES = ("orthrus", "hetero-fcfs", "unified-homo", "qlen-priority")
+ROWS: list[dict[str, Any]] = []
+
+
+def emit(**row: Any) -> None:
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def llama_config(shape: dict, vocab: int, tokenizer: Any) -> LlamaConfig:
+    return LlamaConfig(**shape, vocab_size=vocab, max_position_embeddings=8192, rope_theta=100000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+
+
+def twin_models(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, LlamaForCausalLM]:
+    """transformers' model, randomly initialised, and ours with the very same weights."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = LlamaForCausalLM(cfg).to(dtype).eval()
+        ours = CausalLM(cfg)
+    ours.load_state_dict({k: v for k, v in hf.state_dict().items() if "rotary" not in k}, strict=True)
+    ours = ours.to(dtype).eval()
+    from orthrus_rag.models.llama import RotaryEmbedding  # the table is computed in fp32 on CPU, then moved
+
+    ours.model.rotary_emb = RotaryEmbedding(cfg, ours.model.layers[0].self_attn.head_dim).to(device)
+    ours.fuse_projections()
+    return ours, hf
+
+
+def engine(model: CausalLM, tokenizer: Any, args: argparse.Namespace, dtype: str, policy: str = "orthrus",
+           budget: int | None = None, graphs: bool = True) -> Engine:
+    budget = budget or args.budget
+    cfg = EngineConfig(model=ModelConfig(model="random", dtype=dtype, device=args.device, cuda_graphs=graphs),
+                       cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=min(budget, 2048),
+                                                 max_num_seqs=256, policy=policy))
+    return Engine(cfg, model, tokenizer)
+
+
+def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def matmul_params(cfg: LlamaConfig) -> int:
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    return layers * (h * (h + 2 * kv) + h * h + 3 * h * i)
+
+
+# ---- sections ---------------------------------------------------------------------------------------------------
+def parity(args: argparse.Namespace, tokenizer: Any, vocab: int) -> None:
+    dev = torch.device(args.device)
+    shape = SHAPES["tiny"] if args.shape == "tiny" else PARITY_SHAPE
+    ours, hf = twin_models(llama_config(shape, vocab, tokenizer), torch.float32, dev)
+    lengths = (7, 40, 250) if args.shape != "tiny" else (7, 20)
+    new = 24 if args.shape != "tiny" else 8
+    prompts = [rand_ids(n, vocab, n) for n in lengths]
+    for budget in (64, 4096):
+        eng = engine(ours, tokenizer, args, "float32", budget=budget)
+        outs = eng.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+        same = []
+        for p, o in zip(prompts, outs):
+            ref = hf_greedy(hf, p, new, dev)
+            first = next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), len(ref))
+            same.append(first / len(ref))
+        emit(section="parity", budget=budget, prompts=len(prompts), tokens_identical_frac=min(same))
+        texts = [rand_ids(n, vocab, 100 + n) for n in lengths]
+        embs = eng.embed(texts, PoolingParams(pooling="mean", normalize=False))
+        with torch.inference_mode():
+            cos = min(float(torch.nn.functional.cosine_similarity(
+                e.embedding.float(), hf.model(torch.tensor([t], device=dev)).last_hidden_state[0].float().mean(0),
+                dim=0)) for t, e in zip(texts, embs))
+        emit(section="parity", budget=budget, embedding_cosine_min=cos)
+    del ours, hf
+
+
+def hf_greedy(hf: LlamaForCausalLM, prompt: list[int], new: int, dev: torch.device) -> list[int]:
+    tokens: list[int] = []
+    with torch.inference_mode():
+        out = hf(torch.tensor([prompt], device=dev), use_cache=True)
+        while True:
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if len(tokens) == new:
+                return tokens
+            out = hf(torch.tensor([[tokens[-1]]], device=dev), past_key_values=out.past_key_values, use_cache=True)
+
+
+def throughput(args: argparse.Namespace, tokenizer: Any, vocab: int) -> None:
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = llama_config(SHAPES[args.shape], vocab, tokenizer)
+    ours, hf = twin_models(cfg, dtype, dev)
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    params = matmul_params(cfg) + cfg.hidden_size * vocab  # what a decode step reads: layers and lm_head
+    floor = params * dtype.itemsize / (args.hbm_tbps * 1e12)
+    b, plen, new = args.decode_batch, args.prompt_len, args.new_tokens
+    prompts = [rand_ids(plen, vocab, i) for i in range(b)]
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for graphs in ((True, False, False, True) if dev.type == "cuda" else (False,)):
+        eng = engine(ours, tokenizer, args, name, graphs=graphs)
+        eng.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        eng.step_stats.clear()
+        t = timed(dev, lambda: eng.generate(prompts, sp))
+        steps = [s.step_time for s in eng.step_stats if s.num_decode_tokens == b and not s.num_prefill_tokens]
+        step = statistics.median(steps) if steps else float("nan")
+        emit(section="decode", system="orthrus_rag", cuda_graphs=graphs, batch=b, tok_s=b * new / t,
+             step_ms=step * 1e3, floor_ms=floor * 1e3, roofline_frac=floor / step if steps else None)
+        del eng
+        release(dev)
+    with torch.inference_mode():
+        ids = torch.tensor(prompts, device=dev)
+        hf.generate(ids[:8], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        t = timed(dev, lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                           min_new_tokens=new, do_sample=False, pad_token_id=0))
+    emit(section="decode", system="transformers", batch=b, tok_s=b * new / t)
+
+    n_emb, elen = args.embed_count, args.embed_len
+    texts = [rand_ids(elen, vocab, 1000 + i) for i in range(n_emb)]
+    pp = PoolingParams(pooling="mean")
+    flops = 2 * matmul_params(cfg) * n_emb * elen + 4 * cfg.num_hidden_layers * cfg.hidden_size * n_emb * elen ** 2 / 2
+    eng = engine(ours, tokenizer, args, name)
+    eng.embed(texts[:16], pp)
+    t = timed(dev, lambda: eng.embed(texts, pp))
+    emit(section="embed", system="orthrus_rag", texts=n_emb, tokens=elen, tflops=flops / t / 1e12,
+         peak_frac=flops / t / 1e12 / args.peak_tflops)
+
+    def hf_embed() -> None:
+        with torch.inference_mode():
+            for i in range(0, n_emb, 64):
+                h = hf.model(torch.tensor(texts[i:i + 64], device=dev)).last_hidden_state
+                torch.nn.functional.normalize(h.float().mean(1), dim=-1)
+
+    hf_embed()
+    t = timed(dev, hf_embed)
+    emit(section="embed", system="transformers", texts=n_emb, tokens=elen, tflops=flops / t / 1e12,
+         peak_frac=flops / t / 1e12 / args.peak_tflops)
+    del eng
+    release(dev)
+    mixed(args, dev, ours, hf, tokenizer, name, vocab)
+
+
+def release(dev: torch.device) -> None:
+    """Give a dropped engine's KV cache back before the next one takes its own."""
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def mixed(args: argparse.Namespace, dev: torch.device, ours: CausalLM, hf: LlamaForCausalLM, tokenizer: Any,
+          dtype: str, vocab: int) -> None:
+    ng, ne = args.mixed_generations, args.mixed_embeddings
+    gens = [rand_ids(args.prompt_len, vocab, 5000 + i) for i in range(ng)]
+    texts = [rand_ids(args.embed_len, vocab, 9000 + i) for i in range(ne)]
+    sp, pp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True), PoolingParams()
+    eng = engine(ours, tokenizer, args, dtype)
+    eng.run(prompts=gens[:8], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True), texts=texts[:16],
+            pooling_params=pp)
+    apart = [timed(dev, lambda: eng.generate(gens, sp)) + timed(dev, lambda: eng.embed(texts, pp))]
+    del eng
+    release(dev)
+    runs: dict[str, list[float]] = {p: [] for p in args.policies}
+    for policy in list(args.policies) + list(reversed(args.policies)):  # A B B A
+        e = engine(ours, tokenizer, args, dtype, policy=policy)
+        e.run(prompts=gens[:4], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True), texts=texts[:4],
+              pooling_params=pp)
+        e.step_stats.clear()
+        runs[policy].append(timed(dev, lambda: e.run(prompts=gens, sampling_params=sp, texts=texts,
+                                                   pooling_params=pp)))
+        steps = list(e.step_stats)
+        emit(section="mixed", system=policy, seconds=runs[policy][-1], steps=len(steps),
+             mixed_steps=sum(s.is_mixed for s in steps),
+             step_ms_median=1e3 * statistics.median(s.step_time for s in steps) if steps else None)
+        del e
+        release(dev)
+    e = engine(ours, tokenizer, args, dtype)
+    apart.append(timed(dev, lambda: e.generate(gens, sp)) + timed(dev, lambda: e.embed(texts, pp)))
+    del e
+    release(dev)
+    emit(section="mixed", system="apart (same engine)", seconds=min(apart))
+    for policy, ts in runs.items():
+        emit(section="mixed", system=policy, best_seconds=min(ts), speedup_vs_apart=min(apart) / min(ts))
+
+    def hf_both() -> None:
+        with torch.inference_mode():
+            ids = torch.tensor(gens, device=dev)
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+            for i in range(0, ne, 64):
+                hf.model(torch.tensor(texts[i:i + 64], device=dev)).last_hidden_state.float().mean(1)
+
+    emit(section="mixed", system="transformers (generate, then embed)", seconds=timed(dev, hf_both))
+    if args.dedicated:
+        dedicated(args, dev, hf, tokenizer, dtype, gens, texts, sp, pp)
+
+
+def dedicated(args: argparse.Namespace, dev: torch.device, hf: LlamaForCausalLM, tokenizer: Any, dtype: str,
+              gens: list, texts: list, sp: SamplingParams, pp: PoolingParams) -> None:
+    """The paper's task-split baseline on one device: a generation and an embedding engine process, each with
+    its own copy of the model (written to a temporary checkpoint) and half the KV cache."""
+    import tempfile
+
+    from orthrus_rag.engine.deploy import DedicatedDeployment, EngineSpec
+
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_model_") as folder:
+        hf.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        spec = EngineSpec(folder, overrides={
+            "dtype": dtype, "device": args.device, "kv_cache_gib": args.kv_cache_gib / 2,
+            "max_num_batched_tokens": args.budget, "max_chunk_tokens": min(args.budget, 2048), "max_num_seqs": 256})
+        with DedicatedDeployment(spec, threads=(1, 1)) as deployment:
+            deployment.run(prompts=gens[:4], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+                           texts=texts[:4], pooling_params=pp)
+            seconds = timed(dev, lambda: deployment.run(prompts=gens, sampling_params=sp, texts=texts,
+                                                        pooling_params=pp))
+    emit(section="mixed", system="dedicated (two processes, one device)", seconds=seconds)
+
+
+# ---- report -----------------------------------------------------------------------------------------------------
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| section | system | figures |", "|---|---|---|"]
+    for r in rows:
+        if "section" not in r:
+            continue
+        figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) and math.isfinite(v) else f"{k} {v}"
+                            for k, v in r.items() if k not in ("section", "system"))
+        lines.append(f"| {r['section']} | {r.get('system', 'orthrus_rag')} | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--tokenizer", default=os.environ.get("ORTHRUS_TOKENIZER"),
+                    help="folder with the SmolLM2 tokenizer files (default: $ORTHRUS_TOKENIZER, else the built-in)")
+    ap.add_argument("--sections", nargs="+", choices=("parity", "throughput"), default=["parity", "throughput"])
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--budget", type=int, default=8192)
+    ap.add_argument("--kv-cache-gib", type=float, default=24.0)
+    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--embed-count", type=int, default=512)
+    ap.add_argument("--embed-len", type=int, default=256)
+    ap.add_argument("--mixed-generations", type=int, default=128)
+    ap.add_argument("--mixed-embeddings", type=int, default=512)
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="memory bandwidth for the decode floor (H200: 4.8)")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 GEMM peak measured on the device")
+    ap.add_argument("--dedicated", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the dedicated baseline (two engine processes sharing the device)")
+    ap.add_argument("--out", default="runs/gpu_bench")
+    args = ap.parse_args(argv)
+    if args.tokenizer is None:
+        from orthrus_rag.models.registry import resolve_model_path
+
+        args.tokenizer = str(resolve_model_path("smollm2-135m-instruct"))
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    vocab = len(tokenizer)
+    env = {"torch": torch.__version__, "device": args.device, "shape": args.shape,
+           "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    emit(event="start", **env)
+    ROWS.clear()
+    if "parity" in args.sections:
+        parity(args, tokenizer, vocab)
+    if "throughput" in args.sections:
+        throughput(args, tokenizer, vocab)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"env": env, "args": vars(args), "results": list(ROWS)}
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "table.md").write_text(table(ROWS))
+    emit(event="done", out=str(out))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The cost-aware step budget (engine/step_cost.py) with a fake cost model: never above the cap, a kind alone
+gets whole steps, each kind progresses every few steps; the online fit and the start-up calibration."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orthrus_rag.config import SchedulerConfig
+from orthrus_rag.engine.step_cost import StepCostModel, StepShape, calibrate
+from tests.fake_steps import FakeEngine, make_request
+
+CAP = 128
+
+
+def _fake_cost(base: float = 0.02, per_token: float = 0.001) -> StepCostModel:
+    model = StepCostModel()
+    model.theta = np.array([base, per_token, 0.0, 0.0])
+    return model
+
+
+def _engine(margin: float = 1.0, target: float | None = None, min_tokens: int = 8,
+            cost: StepCostModel | None = None) -> FakeEngine:
+    cfg = SchedulerConfig(max_num_batched_tokens=CAP, max_chunk_tokens=64, max_num_seqs=64, policy="orthrus",
+                          step_time_margin=margin, step_time_target=target, min_step_tokens=min_tokens)
+    return FakeEngine(cfg, num_blocks=2048, block_size=16, cost_model=cost or _fake_cost())
+
+
+def test_decodes_get_room_for_their_margin_only():
+    eng = _engine(margin=1.0)
+    for i in range(4):
+        eng.add(make_request(f"g{i}", "generate", 8, 40))
+    while not all(r.is_decoding for r in eng.requests):
+        eng.step()
+    for i in range(6):
+        eng.add(make_request(f"e{i}", "embed", 100))
+    out = eng.step()
+    decodes = sum(1 for s in out.scheduled if not s.req.is_embed)
+    # 4 decodes cost 20 + 4 = 24 ms; twice that leaves 24 ms, i.e. 24 tokens at 1 ms each
+    assert decodes == 4 and out.budget_used == 4 + 24 and eng.scheduler.step_cap == 28
+
+
+def test_an_absolute_target_and_the_progress_floor():
+    eng = _engine(target=0.05)  # 50 ms: 20 + 4 for the decodes leaves 26 tokens
+    for i in range(4):
+        eng.add(make_request(f"g{i}", "generate", 8, 40))
+    while not all(r.is_decoding for r in eng.requests):
+        eng.step()
+    eng.add(make_request("e", "embed", 200))
+    assert eng.step().budget_used == 4 + 26
+    slow = _engine(target=0.001, min_tokens=8)  # a target the decodes alone exceed: the floor still runs work
+    for i in range(4):
+        slow.add(make_request(f"g{i}", "generate", 8, 40))
+    while not all(r.is_decoding for r in slow.requests):
+        slow.step()
+    slow.add(make_request("e", "embed", 200))
+    assert slow.step().budget_used == 4 + 8
+
+
+def test_a_kind_alone_gets_whole_steps():
+    eng = _engine(margin=0.1)
+    for i in range(3):
+        eng.add(make_request(f"e{i}", "embed", 100))
+    assert eng.step().budget_used == CAP  # no decodes: the cap, not the margin
+    eng2 = _engine(margin=0.1)
+    eng2.add(make_request("p", "generate", 300, 2))
+    assert eng2.step().budget_used == 64  # one prompt, chunk cap 64
+
+
+@settings(max_examples=40, deadline=None)
+@given(margin=st.floats(0.0, 3.0), num_gen=st.integers(1, 12), num_emb=st.integers(1, 12),
+       seed=st.integers(0, 1000))
+def test_never_above_the_cap_and_every_kind_progresses(margin, num_gen, num_emb, seed):
+    rng = np.random.default_rng(seed)
+    eng = _engine(margin=margin, cost=_fake_cost(float(rng.uniform(0.005, 0.05)), float(rng.uniform(1e-4, 3e-3))))
+    for i in range(num_gen):
+        eng.add(make_request(f"g{i}", "generate", int(rng.integers(1, 80)), int(rng.integers(1, 30))))
+    for i in range(num_emb):
+        eng.add(make_request(f"e{i}", "embed", int(rng.integers(1, 200))))
+    last_progress = {True: 0, False: 0}
+    while any(not r.is_finished for r in eng.requests):
+        out = eng.step()  # check_schedule: within max_num_batched_tokens and within this step's cap
+        assert out.budget_used <= CAP
+        for embed in (True, False):
+            pending = eng.scheduler.pending(embed) or (not embed and any(r.is_decoding for r in eng.scheduler.running))
+            if any(s.req.is_embed == embed for s in out.scheduled) or not pending:
+                last_progress[embed] = eng.num_steps
+            assert eng.num_steps - last_progress[embed] <= 4, f"{'embed' if embed else 'generate'} starved"
+        assert eng.num_steps < 5000
+
+
+def test_online_fit_recovers_a_linear_cost():
+    model = StepCostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        shape = StepShape(int(rng.integers(1, 512)), int(rng.integers(0, 200_000)), int(rng.integers(0, 64)))
+        truth = 0.030 + 0.0008 * shape.num_tokens + 2e-5 * shape.attention_pairs / 1000 + 3e-4 * shape.num_encoder_tokens
+        model.observe(shape, truth * float(rng.uniform(0.98, 1.02)))
+    np.testing.assert_allclose(model.theta, [0.030, 0.0008, 2e-5, 3e-4], rtol=0.1, atol=2e-6)
+    assert model.tokens_within(StepShape(10, 0), 0.030 + 0.0008 * 60, 0.0) in range(48, 52)
+
+
+def test_nonsense_step_times_are_ignored():
+    model = StepCostModel()
+    before = model.theta.copy()
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        model.observe(StepShape(8, 0), bad)
+    assert np.array_equal(model.theta, before) and model.num_observed == 0
+
+
+def test_calibration_is_bounded_in_time():
+    class SlowRunner:
+        calls = 0
+
+        def execute(self, sched):
+            SlowRunner.calls += 1
+            time.sleep(0.15)
+
+    start = time.perf_counter()
+    calibrate(SlowRunner(), StepCostModel(), max_tokens=256, max_seconds=0.2)
+    assert time.perf_counter() - start < 0.2 + 2 * 0.15 + 0.1
+    assert SlowRunner.calls <= 3
