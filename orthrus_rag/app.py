@@ -42,7 +42,8 @@ def engine_spec(cfg: Any):  # -> EngineSpec: the one engine, or each worker's of
         "dtype": m.dtype, "device": m.device, "seed": cfg.seed, "policy": e.policy,
         "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
         "max_chunk_tokens": e.max_chunk_tokens, "min_share": e.min_share, "block_size": e.block_size,
-        "kv_cache_gib": e.kv_cache_gib, "enable_prefix_caching": e.enable_prefix_caching})
+        "kv_cache_gib": e.kv_cache_gib, "enable_prefix_caching": e.enable_prefix_caching,
+        "linear_kernel": m.linear_kernel, "cost_budget": e.cost_budget})
 
 
 def build_backend(cfg: Any):  # -> Backend

@@ -36,6 +36,9 @@ class ModelConf:
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     num_threads: int | None = None
+    # auto: the faster of dense / oneDNN, timed at load (so two processes may differ in the last bits);
+    # dense or onednn pin it (bit-identical runs, e.g. a resumed run against an uninterrupted one)
+    linear_kernel: str = "auto"
 
 
 @dataclass
@@ -51,6 +54,7 @@ class EngineConf:
     kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = False  # share the KV of common prompt prefixes (few-shot demonstrations)
     max_pending: int = 8192
+    cost_budget: bool = True  # orthrus: size steps by a timed step-cost model (false: by tokens, reproducibly)
 
 
 @dataclass
@@ -118,6 +122,7 @@ def validate(cfg: Any) -> None:
     if cfg.dataset.num_questions < 1:
         raise ValueError(f"dataset.num_questions must be at least 1, got {cfg.dataset.num_questions}")
     _choice(cfg.engine.policy, POLICIES, "engine.policy")
+    _choice(cfg.model.linear_kernel, ("auto", "dense", "onednn"), "model.linear_kernel")
     _choice(cfg.engine.serving, SERVINGS, "engine.serving")
     threads = cfg.engine.threads
     if threads is not None and (len(threads) != 2 or any(t < 1 for t in threads)):
