@@ -39,7 +39,9 @@ def engine_config(cfg: Any):  # -> EngineConfig: the one engine, or each worker'
     m = cfg.model
     options = {k: cfg.engine[k] for k in cfg.engine if k not in APP_ENGINE_FIELDS}
     return make(m.name, [m.embedding_adapter] if m.embedding_adapter else [], m.embedding_model, dtype=m.dtype,
-                device=m.device, num_threads=m.num_threads, seed=cfg.seed, **options)
+                device=m.device, num_threads=m.num_threads, seed=cfg.seed, linear_kernel=m.linear_kernel,
+                attention_backend=m.attention_backend,
+                **options)
 
 
 def build_backend(cfg: Any):  # -> Backend

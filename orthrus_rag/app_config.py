@@ -36,6 +36,9 @@ class ModelConf:
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     num_threads: int | None = None
+    # auto: the faster of dense / oneDNN, timed once per machine and remembered; dense or onednn pin it
+    linear_kernel: str = "auto"
+    attention_backend: str = "auto"  # auto | grouped | reference (varlen: CUDA)
 
 
 APP_ENGINE_FIELDS = ("serving", "threads", "max_pending")  # EngineConf fields that are not engine options
@@ -52,8 +55,11 @@ class EngineConf:
     min_share: float = 0.1
     block_size: int = 16
     kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = False  # share the KV of common prompt prefixes (few-shot demonstrations)
+    enable_prefix_caching: bool = True  # share the KV of common prompt prefixes (few-shot demonstrations)
     max_pending: int = 8192
+    cost_budget: bool = True  # orthrus: size steps by a timed step-cost model (false: by tokens, reproducibly)
+    step_time_target: float | None = None  # seconds a step with decodes may take; None: their time x (1 + margin)
+    step_time_margin: float = 1.0
 
 
 @dataclass
@@ -134,6 +140,7 @@ def validate(cfg: Any) -> None:
     if cfg.dataset.num_questions < 1:
         raise ValueError(f"dataset.num_questions must be at least 1, got {cfg.dataset.num_questions}")
     _choice(cfg.engine.policy, POLICIES, "engine.policy")
+    _choice(cfg.model.linear_kernel, ("auto", "dense", "onednn"), "model.linear_kernel")
     _choice(cfg.engine.serving, SERVINGS, "engine.serving")
     threads = cfg.engine.threads
     if threads is not None and (len(threads) != 2 or any(t < 1 for t in threads)):

@@ -50,7 +50,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = False  # share the KV blocks of common prompt prefixes (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (engine/prefix_cache.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):

@@ -129,13 +129,14 @@ def test_a_client_that_fails_at_submit_fails_that_request_too() -> None:
     bridge.shutdown()
 
 
-def test_a_failed_client_fails_questions_not_the_pipeline_run() -> None:
+def test_a_failed_client_stops_the_pipeline_run_instead_of_failing_every_question() -> None:
+    """A client failed as a whole fails every later request too; the run stops (app.run keeps what it recorded
+    and resume= continues it) rather than recording every remaining question as failed."""
     client = FakeClient(delay=1000)
     examples = [QAExample(f"q{i}", f"question {i}?", ["x"]) for i in range(3)]
     with ClientBridge(client, poll_s=0.01, stall_timeout_s=0.5) as bridge:
-        records = asyncio.run(IterRetGen(bridge, None).run(examples, progress=False))
-    assert [r.id for r in records] == ["q0", "q1", "q2"]
-    assert all(r.error and "no output for 0.5 s" in r.error for r in records)
+        with pytest.raises(ClientFailed, match="no output for 0.5 s"):
+            asyncio.run(IterRetGen(bridge, None).run(examples))
 
 
 def test_stall_and_shutdown_are_bounded() -> None:

@@ -15,10 +15,12 @@ from tests.test_app_config import _compose
 from tests.test_run_folder import _records, _strip
 
 ROOT = Path(__file__).resolve().parents[1]
-# NOTE: one question at a time, so every question's engine steps are the same in any session (with several in
-# flight, which questions share a step depends on where the run was cut, and fp32 sums may differ in the last bit)
+# NOTE: bit-identical runs: one question at a time (with several in flight, which questions share a step depends
+# on where the run was cut), the linear kernel pinned (`auto` times both at load, so processes may pick
+# differently) and steps sized by tokens, not by measured time; fp32 sums otherwise differ in the last bits
 ARGS = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
-        "pipeline.max_concurrency=1", "progress=false", "engine.max_num_batched_tokens=128", "checkpoint_every=2"]
+        "pipeline.max_concurrency=1", "progress=false", "engine.max_num_batched_tokens=128", "checkpoint_every=2",
+        "model.linear_kernel=dense", "engine.cost_budget=false"]
 
 
 def _cli(*args: str) -> list[str]:
