@@ -30,12 +30,17 @@ def _engine(margin: float = 1.0, target: float | None = None, min_tokens: int = 
     return FakeEngine(cfg, num_blocks=2048, block_size=16, cost_model=cost or _fake_cost())
 
 
-def test_decodes_get_room_for_their_margin_only():
-    eng = _engine(margin=1.0)
-    for i in range(4):
+def _decoding(eng: FakeEngine, num: int = 4) -> FakeEngine:
+    """`eng` with `num` generations past their prompts: the next step starts with `num` decodes."""
+    for i in range(num):
         eng.add(make_request(f"g{i}", "generate", 8, 40))
     while not all(r.is_decoding for r in eng.requests):
         eng.step()
+    return eng
+
+
+def test_decodes_get_room_for_their_margin_only():
+    eng = _decoding(_engine(margin=1.0))
     for i in range(6):
         eng.add(make_request(f"e{i}", "embed", 100))
     out = eng.step()
@@ -45,18 +50,11 @@ def test_decodes_get_room_for_their_margin_only():
 
 
 def test_an_absolute_target_and_the_progress_floor():
-    eng = _engine(target=0.05)  # 50 ms: 20 + 4 for the decodes leaves 26 tokens
-    for i in range(4):
-        eng.add(make_request(f"g{i}", "generate", 8, 40))
-    while not all(r.is_decoding for r in eng.requests):
-        eng.step()
+    eng = _decoding(_engine(target=0.05))  # 50 ms: 20 + 4 for the decodes leaves 26 tokens
     eng.add(make_request("e", "embed", 200))
     assert eng.step().budget_used == 4 + 26
-    slow = _engine(target=0.001, min_tokens=8)  # a target the decodes alone exceed: the floor still runs work
-    for i in range(4):
-        slow.add(make_request(f"g{i}", "generate", 8, 40))
-    while not all(r.is_decoding for r in slow.requests):
-        slow.step()
+    # a target the decodes alone exceed: the floor still runs work
+    slow = _decoding(_engine(target=0.001, min_tokens=8))
     slow.add(make_request("e", "embed", 200))
     assert slow.step().budget_used == 4 + 8
 
