@@ -4,6 +4,7 @@ records and summary as an uninterrupted run (timings aside)."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -15,12 +16,24 @@ from tests.test_app_config import _compose
 from tests.test_run_folder import _records, _strip
 
 ROOT = Path(__file__).resolve().parents[1]
-# NOTE: bit-identical runs: one question at a time (with several in flight, which questions share a step depends
-# on where the run was cut), the linear kernel pinned (`auto` times both at load, so processes may pick
-# differently) and steps sized by tokens, not by measured time; fp32 sums otherwise differ in the last bits
+# NOTE: the same engine steps in every session: one question at a time (with several in flight, which questions
+# share a step depends on where the run was cut), the linear kernel pinned (`auto` times both at load, so two
+# processes may pick differently) and steps sized by tokens, not by measured time. Retrieval scores may still
+# differ in fp32's last bits between processes (as between any two runs): floats compare to 1e-6 relative.
 ARGS = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
         "pipeline.max_concurrency=1", "progress=false", "engine.max_num_batched_tokens=128", "checkpoint_every=2",
         "model.linear_kernel=dense", "engine.cost_budget=false"]
+
+
+def _same(a, b) -> bool:
+    """Equal, floats to 1e-6 relative."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _cli(*args: str) -> list[str]:
@@ -43,15 +56,19 @@ def test_sigkill_then_resume_gives_the_records_and_summary_of_an_uninterrupted_r
         finally:
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "log").read_text()[-2000:]
-    assert 2 <= _lines(killed / "records.jsonl") < 4  # killed part-way
+    num_killed = _lines(killed / "records.jsonl")
+    assert 2 <= num_killed < 4  # killed part-way
     out = subprocess.run(_cli(f"resume={killed}"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
 
     whole = tmp_path / "whole"
     app.run(_compose(*ARGS, f"run_dir={whole}"))
     assert len(_records(killed)) == 4
-    assert _strip(_records(killed)) == _strip(_records(whole))
+    got, want = _strip(_records(killed)), _strip(_records(whole))
+    assert [r["prediction"] for r in got] == [r["prediction"] for r in want]
+    assert _same(got, want)  # prompts, generations, passages exactly; scores to fp32 noise
     resumed, uninterrupted = (json.loads((d / "summary.json").read_text()) for d in (killed, whole))
-    assert _strip(resumed) == _strip(uninterrupted)
-    assert len(resumed["sessions"]) == 2 and resumed["sessions"][-1]["questions"] < 4
+    assert _same(_strip(resumed), _strip(uninterrupted))
+    # (the killed session is listed only if it reached a checkpoint before the kill)
+    assert resumed["sessions"][-1]["session"] == 1 and resumed["sessions"][-1]["questions"] == 4 - num_killed
     assert "reusing the index" in out.stdout + out.stderr  # the first session's index, not a rebuilt one
