@@ -49,7 +49,7 @@ def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> 
 def _is_fatal(exc: BaseException) -> bool:
     """The serving system is gone (shut down, a dead worker): stop the run rather than fail every question."""
     from orthrus_rag.engine.async_engine import EngineShutdown
-    from orthrus_rag.engine.deploy.bridge import ClientFailed
+    from orthrus_rag.engine.clients.bridge import ClientFailed
 
     return isinstance(exc, (EngineShutdown, ClientFailed))
 

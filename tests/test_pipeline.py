@@ -83,7 +83,7 @@ def test_prefix_caching_serves_the_shared_prompt_prefix_and_changes_no_answer(tm
 
     base = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
             "progress=false"]
-    plain = app.run(_compose(*base, f"run_dir={tmp_path / 'plain'}"))
+    plain = app.run(_compose(*base, f"run_dir={tmp_path / 'plain'}", "engine.enable_prefix_caching=false"))
     cached = app.run(_compose(*base, f"run_dir={tmp_path / 'cached'}", "engine.enable_prefix_caching=true"))
     assert "prefix_cache_hit_tokens" not in plain["engine"]
     assert cached["engine"]["prefix_cache_hit_tokens"] > 0  # the few-shot prompt head is shared
