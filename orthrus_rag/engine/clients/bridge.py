@@ -39,7 +39,8 @@ class RequestFailed(RuntimeError):
 
 class ClientFailed(RuntimeError):
     """The serving client failed as a whole (a dead worker, a stall); every waiting request gets this, its
-    `__cause__` is the client's own error. A RuntimeError, so a pipeline records it per question and goes on."""
+    `__cause__` is the client's own error. Iter-RetGen stops the run on it (what it recorded stays, and
+    `resume=` continues) rather than recording every remaining question as failed."""
 
 
 class ClientBridge:
