@@ -103,8 +103,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    # NOTE: no prefix caching: the warm-up's prompts would be served from the cache in the timed run
     engine = Engine.from_pretrained(args.model, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    max_chunk_tokens=args.max_num_batched_tokens, num_blocks=1024)
+                                    max_chunk_tokens=args.max_num_batched_tokens, num_blocks=1024,
+                                    enable_prefix_caching=False)
     ours = bench_ours(engine, tokenizer, args)
     del engine
     hf = bench_hf(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), tokenizer, args)
