@@ -57,7 +57,8 @@ class EngineConf:
     kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True  # share the KV of common prompt prefixes (few-shot demonstrations)
     max_pending: int = 8192
-    cost_budget: bool = True  # orthrus: size steps by a timed step-cost model (false: by tokens, reproducibly)
+    # orthrus: size steps by a timed step-cost model; null: on CUDA only (true/false force it; false: reproducible)
+    cost_budget: bool | None = None
     step_time_target: float | None = None  # seconds a step with decodes may take; None: their time x (1 + margin)
     step_time_margin: float = 1.0
 

@@ -76,8 +76,10 @@ class SchedulerConfig:
     encoder_token_weight: float = 0.25  # budget cost of one encoder token relative to one decoder token
     # orthrus: size steps that carry decodes by predicted time (engine/step_cost.py) rather than by tokens alone:
     # at most `step_time_target` seconds, or (None) the decodes' own time x (1 + step_time_margin); a step
-    # always has room for `min_step_tokens` and never more than max_num_batched_tokens
-    cost_budget: bool = True
+    # always has room for `min_step_tokens` and never more than max_num_batched_tokens.
+    # None (auto): on CUDA, where a decode step's weights reads leave slack for other rows; off on CPU, where a
+    # step's time grows with every token (no slack: measured, the cap only cost throughput; BENCHMARKS.md)
+    cost_budget: bool | None = None
     step_time_target: float | None = None
     step_time_margin: float = 1.0
     min_step_tokens: int = 32

@@ -59,7 +59,7 @@ class Engine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.scheduler = Scheduler(config.scheduler, self.block_manager, partial(
             update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
-            StepCostModel())
+            StepCostModel() if _sizes_steps_by_cost(config) else None)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder,
                                   config.scheduler.max_num_batched_tokens, config.model.attention_backend,
                                   config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel)
@@ -312,3 +312,9 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return sum(2 * layer.num_kv_heads * layer.head_dim * itemsize for layer in model.attention_layers)
 
+
+def _sizes_steps_by_cost(config: EngineConfig) -> bool:
+    """`cost_budget`, with None meaning: on CUDA (decode steps have slack), off elsewhere (config.py)."""
+    if config.scheduler.cost_budget is not None:
+        return config.scheduler.cost_budget
+    return torch.device(config.model.device).type == "cuda"

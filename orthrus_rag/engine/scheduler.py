@@ -74,7 +74,9 @@ class Scheduler:
         self.stop_checker = stop_checker or (lambda req: None)
         self.policy: Policy = make_policy(config.policy, config.min_share)
         # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
-        self.cost_model = cost_model if config.cost_budget and self.policy.sizes_steps_by_cost else None
+        # (config.cost_budget None: the engine passes a model only where it applies)
+        self.cost_model = (cost_model if config.cost_budget is not False and self.policy.sizes_steps_by_cost
+                           else None)
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
         self._pending: dict[bool, list[Request]] | None = None  # pending() snapshots while a step is scheduled
         self.waiting: deque[Request] = deque()
