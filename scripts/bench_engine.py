@@ -45,16 +45,18 @@ def bench_ours(engine: Engine, tokenizer, args: argparse.Namespace) -> dict:
     prompts = _prompt_ids(tokenizer, args.prefill_len, args.prefill_count)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], one)  # warm-up
-    res["prefill_tok_s"] = args.prefill_len * args.prefill_count / _timed(lambda: engine.generate(prompts, one))
-    for b in args.batches:
+    if "prefill" in args.sections:
+        res["prefill_tok_s"] = args.prefill_len * args.prefill_count / _timed(lambda: engine.generate(prompts, one))
+    for b in args.batches if "decode" in args.sections else ():
         ps = _prompt_ids(tokenizer, args.decode_prompt_len, b)
         long = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
         t_long = _timed(lambda: engine.generate(ps, long))
         t_short = _timed(lambda: engine.generate(ps, one))
         res[f"decode_tok_s_b{b}"] = b * (args.decode_tokens - 1) / max(t_long - t_short, 1e-9)
-    texts = _prompt_ids(tokenizer, args.embed_len, args.embed_count)
-    pp = PoolingParams(pooling="mean")
-    res["embed_per_s"] = args.embed_count / _timed(lambda: engine.embed(texts, pp))
+    if "embed" in args.sections:
+        texts = _prompt_ids(tokenizer, args.embed_len, args.embed_count)
+        pp = PoolingParams(pooling="mean")
+        res["embed_per_s"] = args.embed_count / _timed(lambda: engine.embed(texts, pp))
     return res
 
 
@@ -68,22 +70,34 @@ def bench_hf(model, tokenizer, args: argparse.Namespace) -> dict:
 
     prompts = _prompt_ids(tokenizer, args.prefill_len, args.prefill_count)
     model(torch.tensor(prompts[:2]))  # warm-up
-    t = _timed(lambda: [model(torch.tensor(prompts[i:i + 8])) for i in range(0, len(prompts), 8)])
-    res["prefill_tok_s"] = args.prefill_len * args.prefill_count / t
-    for b in args.batches:
+    if "prefill" in args.sections:
+        t = _timed(lambda: [model(torch.tensor(prompts[i:i + 8])) for i in range(0, len(prompts), 8)])
+        res["prefill_tok_s"] = args.prefill_len * args.prefill_count / t
+    for b in args.batches if "decode" in args.sections else ():
         ps = _prompt_ids(tokenizer, args.decode_prompt_len, b)
         t_long = _timed(lambda: gen(ps, args.decode_tokens))
         t_short = _timed(lambda: gen(ps, 1))
         res[f"decode_tok_s_b{b}"] = b * (args.decode_tokens - 1) / max(t_long - t_short, 1e-9)
-    texts = _prompt_ids(tokenizer, args.embed_len, args.embed_count)
+    if "embed" in args.sections:
+        texts = _prompt_ids(tokenizer, args.embed_len, args.embed_count)
 
-    def embed() -> None:
-        for i in range(0, len(texts), 16):
-            h = model.model(torch.tensor(texts[i:i + 16])).last_hidden_state
-            torch.nn.functional.normalize(h.mean(1), dim=-1)
+        def embed() -> None:
+            for i in range(0, len(texts), 16):
+                h = model.model(torch.tensor(texts[i:i + 16])).last_hidden_state
+                torch.nn.functional.normalize(h.mean(1), dim=-1)
 
-    res["embed_per_s"] = args.embed_count / _timed(embed)
+        res["embed_per_s"] = args.embed_count / _timed(embed)
     return res
+
+
+def _option(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--option needs NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value.lower() if value.lower() in ("true", "false", "null") else value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def main() -> None:
@@ -98,20 +112,29 @@ def main() -> None:
     ap.add_argument("--embed-len", type=int, default=128)
     ap.add_argument("--embed-count", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an engine option (e.g. cpu_decode_kernel=false); repeatable")
+    ap.add_argument("--sections", nargs="+", choices=("prefill", "decode", "embed"), default=["prefill", "decode",
+                                                                                            "embed"])
+    ap.add_argument("--skip-transformers", action="store_true", help="measure the engine only")
     ap.add_argument("--out", default="runs/bench_engine")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     # NOTE: no prefix caching: the warm-up's prompts would be served from the cache in the timed run
-    engine = Engine.from_pretrained(args.model, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    max_chunk_tokens=args.max_num_batched_tokens, num_blocks=1024,
-                                    enable_prefix_caching=False)
+    options = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_chunk_tokens=args.max_num_batched_tokens,
+                   num_blocks=max(1024, -(-max(args.batches) * (args.decode_prompt_len + args.decode_tokens) // 16)),
+                   enable_prefix_caching=False)
+    options.update(_option(o) for o in args.option)
+    engine = Engine.from_pretrained(args.model, **options)
     ours = bench_ours(engine, tokenizer, args)
     del engine
-    hf = bench_hf(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), tokenizer, args)
+    hf = {} if args.skip_transformers else bench_hf(
+        AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), tokenizer, args)
     rows = ["| metric | orthrus_rag | transformers | ratio |", "|---|---:|---:|---:|"]
-    rows += [f"| {k} | {ours[k]:.1f} | {hf[k]:.1f} | {ours[k] / hf[k]:.2f}x |" for k in ours]
+    rows += [f"| {k} | {ours[k]:.1f} | {hf[k]:.1f} | {ours[k] / hf[k]:.2f}x |" if k in hf else
+             f"| {k} | {ours[k]:.1f} | – | – |" for k in ours]
     table = "\n".join(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
