@@ -116,7 +116,8 @@ def _module() -> Any:  # the compiled extension, or None where it cannot be buil
 
     with _LOCK:
         try:
-            logger.info("compiling the CPU decode-attention kernel (once per machine; ~30-60 s)")
+            # NOTE: torch's loader reuses a build it finds; only the first use on a machine compiles
+            logger.info("loading the CPU decode-attention kernel (compiled on first use per machine: ~30-60 s)")
             return cpp_extension.load_inline(
                 name=_build_name(), cpp_sources=[_SOURCE], functions=["decode_attention"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
