@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams  # noqa: E402
+from orthrus_rag.engine.options import parse_option  # noqa: E402
 from orthrus_rag.models.registry import resolve_model_path  # noqa: E402
 
 
@@ -90,16 +91,6 @@ def bench_hf(model, tokenizer, args: argparse.Namespace) -> dict:
     return res
 
 
-def _option(text: str) -> tuple[str, object]:
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--option needs NAME=VALUE, got {text!r}")
-    try:
-        return name, json.loads(value.lower() if value.lower() in ("true", "false", "null") else value)
-    except json.JSONDecodeError:
-        return name, value
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -112,7 +103,7 @@ def main() -> None:
     ap.add_argument("--embed-len", type=int, default=128)
     ap.add_argument("--embed-count", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=parse_option,
                     help="an engine option (e.g. cpu_decode_kernel=false); repeatable")
     ap.add_argument("--sections", nargs="+", choices=("prefill", "decode", "embed"), default=["prefill", "decode",
                                                                                             "embed"])
@@ -126,7 +117,7 @@ def main() -> None:
     options = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_chunk_tokens=args.max_num_batched_tokens,
                    num_blocks=max(1024, -(-max(args.batches) * (args.decode_prompt_len + args.decode_tokens) // 16)),
                    enable_prefix_caching=False)
-    options.update(_option(o) for o in args.option)
+    options.update(args.option)
     engine = Engine.from_pretrained(args.model, **options)
     ours = bench_ours(engine, tokenizer, args)
     del engine

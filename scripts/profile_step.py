@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams  # noqa: E402
+from orthrus_rag.engine.options import parse_option  # noqa: E402
 
 logger = logging.getLogger("profile_step")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::bmm")
@@ -49,12 +50,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prefills", type=int, default=0)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                    help="an engine option, e.g. cpu_decode_kernel=false (JSON values)")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=parse_option,
+                    help="an engine option, e.g. cpu_decode_kernel=false; repeatable")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    options = {k: json.loads(v) for k, _, v in (o.partition("=") for o in args.option)}
+    options = dict(args.option)
     # NOTE: a KV cache that holds every sequence of the profile (prompts + what they decode meanwhile), so no
     # step preempts; the default 1 GiB holds ~23k SmolLM2 tokens, fewer than 32 prompts of 1,000
     seqs = args.decodes + args.prefills

@@ -13,7 +13,8 @@ def test_profile_step_reports_the_mix(smol_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     result = script.main(["--model", str(smol_path), "--threads", "1", "--decodes", "3", "--prompt-len", "8",
-                          "--embeds", "2", "--embed-len", "16", "--steps", "2", "--top", "3"])
+                          "--embeds", "2", "--embed-len", "16", "--steps", "2", "--top", "3",
+                          "--option", "cpu_decode_kernel=false"])
     assert len(result["step_ms"]) == 2 and all(t > 0 for t in result["step_ms"])
     first = result["tokens_per_step"][0]
     assert first["decode"] == 3 and first["embed"] == 32  # both embeddings ride with the three decodes

@@ -6,6 +6,7 @@ It also checks the policy name where the policies live (not in config.py: config
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
@@ -41,3 +42,15 @@ def engine_config(model: str = "smollm2-135m-instruct", embedding_adapters: str 
 def check_policy(name: str) -> None:
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; expected one of {', '.join(POLICIES)}")
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """`NAME=VALUE` from a command line (the scripts' `--option`): the value as JSON where it parses (numbers,
+    true / false / null in any case, lists), else the string itself (`attention_backend=grouped`)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"an engine option needs NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value.lower() if value.lower() in ("true", "false", "null") else value)
+    except json.JSONDecodeError:
+        return name, value
