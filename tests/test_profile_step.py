@@ -19,3 +19,4 @@ def test_profile_step_reports_the_mix(smol_path):
     first = result["tokens_per_step"][0]
     assert first["decode"] == 3 and first["embed"] == 32  # both embeddings ride with the three decodes
     assert 0.0 < result["gemm_share"] < 1.0
+    assert 0.0 < result["op_ms_per_step"] <= max(result["step_ms"])  # ops run inside the timed steps
