@@ -58,15 +58,35 @@ def test_orthrus_serves_latency_critical_work_before_the_split():
     query.pooling_params = PoolingParams(priority=-1)
     eng.add(query)
     embed, prefill = _split_step(eng)
-    assert query.is_finished and embed >= 30 and embed + prefill == 100
+    # the query whole, and a short step: the rest gets only its min_share floor (10 of 100 tokens)
+    assert query.is_finished and embed >= 30 and embed + prefill == 30 + 10
+    assert sum(_split_step(eng)) == 100  # nothing latency-critical pending: whole steps again
     plain = _engine("orthrus", min_share=0.1)  # the same without the priority: the query waits for its share
     for i in range(10):
         plain.add(make_request(f"g{i}", "generate", 1000))
     plain.add(make_request("doc", "embed", 300))
     late = make_request("query", "embed", 30)
     plain.add(late)
-    _split_step(plain)
+    assert sum(_split_step(plain)) == 100
     assert not late.is_finished
+
+
+def test_latency_critical_work_shortens_its_step_beside_decodes():
+    """With decodes running, a step that carries a latency-critical query carries the decodes, the query and the
+    min_share floor of other work, so the query's step is short; the other policies keep whole steps."""
+    for policy, short in (("orthrus", True), ("hetero-fcfs", False)):
+        eng = _engine(policy, budget=200, min_share=0.1)
+        for i in range(4):
+            eng.add(make_request(f"g{i}", "generate", 20, max_tokens=50))
+        eng.step()  # the four prompts (80 tokens): decoding from now on
+        for i in range(4):
+            eng.add(make_request(f"p{i}", "generate", 1000))
+        query = make_request("query", "embed", 30)
+        query.pooling_params = PoolingParams(priority=-1)
+        eng.add(query)
+        out = eng.step()
+        assert query.is_finished == short  # hetero-fcfs: the query waits behind the earlier prompts
+        assert out.num_batched_tokens == (4 + 30 + 20 if short else 200)
 
 
 def test_qlen_priority_follows_the_published_rule():

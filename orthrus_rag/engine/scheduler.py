@@ -236,8 +236,8 @@ class Scheduler:
                     break
                 if req in self.running:
                     self._schedule_running(req, 1, out)
-        self._cap = self._step_cap(out)
         self._pending = {}  # decodes may have preempted: the lanes see the queues as they are now
+        self._cap = self.policy.step_cap(self, self._step_cap(out), out.budget_used)
         # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
         allowed = {True: allow_embed, False: allow_generate}
         for lane in self.policy.lanes(self, self._budget_left(out)):
