@@ -81,8 +81,10 @@ def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path):
 def test_prefix_caching_serves_the_shared_prompt_prefix_and_changes_no_answer(tmp_path: Path):
     from orthrus_rag import app
 
+    # NOTE: one question at a time: with several in flight, which rows share a step depends on timing, and fp32
+    # GEMMs of different row counts differ in the last bits (a near-tie greedy token then flips under load)
     base = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
-            "progress=false"]
+            "progress=false", "pipeline.max_concurrency=1"]
     plain = app.run(_compose(*base, f"run_dir={tmp_path / 'plain'}", "engine.enable_prefix_caching=false"))
     cached = app.run(_compose(*base, f"run_dir={tmp_path / 'cached'}", "engine.enable_prefix_caching=true"))
     assert "prefix_cache_hit_tokens" not in plain["engine"]
