@@ -53,6 +53,11 @@ def _interleave(a: list[Request], b: list[Request]) -> list[Request]:
     return out
 
 
+def _urgent(sched: "Scheduler") -> list[Request]:
+    """Pending latency-critical work (priority < 0), embeddings first."""
+    return [r for r in sched.pending(embed=True) + sched.pending(embed=False) if r.priority < 0]
+
+
 class _Base:
     name = "base"
     sizes_steps_by_cost = False  # NOTE: the baselines keep their published rule, a fixed token budget
@@ -92,7 +97,7 @@ class OrthrusPolicy(_Base):
         return min(math.ceil(self.min_share * sched.config.max_num_seqs), wanted, sched.config.max_num_seqs - 1)
 
     def step_cap(self, sched: "Scheduler", cap: int, used: int) -> int:
-        urgent = [r for r in sched.pending(embed=True) + sched.pending(embed=False) if r.priority < 0]
+        urgent = _urgent(sched)
         if not urgent:
             return cap
         # NOTE: latency-critical work also gets a short step: the decodes, that work and a min_share floor of the
@@ -106,7 +111,7 @@ class OrthrusPolicy(_Base):
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
         # NOTE: latency-critical work (priority < 0: e.g. the query a multi-hop chain waits on) first; a 30-token
         # query would otherwise get a sliver of the split beside 1,000-token prompts
-        urgent = [r for r in embed + prefill if r.priority < 0]
+        urgent = _urgent(sched)
         first = [Lane(urgent, residual)] if urgent else []
         rem_e, rem_p = sched.remaining_cost(embed), sched.remaining_cost(prefill)
         if rem_e == 0 or rem_p == 0:
