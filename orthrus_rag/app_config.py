@@ -163,7 +163,46 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"pipeline.max_tokens must be at least 1, got {cfg.pipeline.max_tokens}")
     if cfg.model.embedding_adapter is not None and not Path(cfg.model.embedding_adapter).is_dir():
         raise ValueError(f"model.embedding_adapter: no such folder: {cfg.model.embedding_adapter}")
+    for key in ("nlist", "nprobe", "hnsw_m"):
+        if cfg.retriever[key] < 1:
+            raise ValueError(f"retriever.{key} must be at least 1, got {cfg.retriever[key]}")
+    _check_owned_values(cfg)
     _check_run_settings(cfg)
+    _check_serve(cfg.serve)
+
+
+def _check_owned_values(cfg: Any) -> None:
+    """Values whose rules live in the engine's own types (SamplingParams, PoolingParams, EngineConfig): build them
+    here, without weights, so a bad one fails at compose time with that type's message, named by its key."""
+    from orthrus_rag.params import PoolingParams, SamplingParams
+
+    for prefix, build in (("pipeline", lambda: SamplingParams(max_tokens=cfg.pipeline.max_tokens,
+                                                               temperature=cfg.pipeline.temperature)),
+                          ("retriever", lambda: PoolingParams(pooling=cfg.retriever.pooling)),
+                          ("engine", lambda: engine_config(cfg))):
+        try:
+            build()
+        except ValueError as exc:
+            raise ValueError(f"{prefix}: {exc}") from None
+
+
+def _check_serve(s: Any) -> None:
+    if s.default_max_tokens < 1:
+        raise ValueError(f"serve.default_max_tokens must be at least 1, got {s.default_max_tokens}")
+    if not 0 <= s.port < 65536:
+        raise ValueError(f"serve.port must be in [0, 65535], got {s.port}")
+
+
+def engine_config(cfg: Any):  # -> EngineConfig: the one engine, or each worker's of a deployment
+    """`cfg.model` and `cfg.engine` as an EngineConfig; every `engine.*` field but the app's own is an engine
+    option by the same name (engine/options.py owns the names). Loads nothing."""
+    from orthrus_rag.engine.options import engine_config as make
+
+    m = cfg.model
+    options = {k: cfg.engine[k] for k in cfg.engine if k not in APP_ENGINE_FIELDS}
+    return make(m.name, [m.embedding_adapter] if m.embedding_adapter else [], m.embedding_model, dtype=m.dtype,
+                device=m.device, num_threads=m.num_threads, seed=cfg.seed, linear_kernel=m.linear_kernel,
+                attention_backend=m.attention_backend, **options)
 
 
 def _check_run_settings(cfg: Any) -> None:

@@ -78,11 +78,12 @@ def _hydra(command: str, argv: list[str]) -> int:
         started.append(True)
         codes.append(_job(command, cfg))
 
-    resume = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("resume=")), None)
-    if resume not in (None, "null") and not Path(resume).is_dir():  # NOTE: before Hydra creates it as its folder
-        print(f"error: resume: no such run folder: {resume}", file=sys.stderr)
+    problem = _argv_problem(argv)
+    if problem is not None:  # NOTE: before Hydra creates a run folder
+        print(f"error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    sys.argv, saved = [f"orthrus-rag {command}", *_resume_overrides(argv)], sys.argv
+    overrides = _serve_overrides(argv) if command == "serve" else _resume_overrides(argv)
+    sys.argv, saved = [f"orthrus-rag {command}", *overrides], sys.argv
     try:
         entry()
     except SystemExit as exc:  # NOTE: Hydra exits before any job for a bad override or config
@@ -92,6 +93,34 @@ def _hydra(command: str, argv: list[str]) -> int:
     finally:
         sys.argv = saved
     return max(codes, default=0)
+
+
+def _value(argv: list[str], key: str) -> str | None:
+    """The last `key=value` override of `argv` (Hydra's rule: the last one wins)."""
+    return next((a.split("=", 1)[1] for a in reversed(argv) if a.split("=", 1)[0].lstrip("+~") == key), None)
+
+
+def _argv_problem(argv: list[str]) -> str | None:
+    """What is wrong with the overrides before Hydra runs (and makes folders): a resume folder that does not
+    exist, or two different run folders (`run_dir` is where the records go; `hydra.run.dir` / `hydra.sweep.dir`
+    would silently win over it)."""
+    resume = _value(argv, "resume")
+    if resume not in (None, "null") and not Path(resume).is_dir():
+        return f"resume: no such run folder: {resume}"
+    run_dir = _value(argv, "run_dir")
+    for key in ("hydra.run.dir", "hydra.sweep.dir"):
+        other = _value(argv, key)
+        if run_dir is not None and other is not None and other not in (run_dir, "${run_dir}"):
+            return (f"run_dir={run_dir} and {key}={other} name two different folders; give run_dir alone (the "
+                    "records, the summary and Hydra's files all go there)")
+    return None
+
+
+def _serve_overrides(argv: list[str]) -> list[str]:
+    """A server has no run folder: Hydra writes no `.hydra/` and no log file (its log goes to the terminal)."""
+    if _value(argv, "hydra.run.dir") is not None:
+        return argv
+    return [*argv, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
 def _resume_overrides(argv: list[str]) -> list[str]:
@@ -116,9 +145,23 @@ def _job(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
         code, message = described
         logging.getLogger(__name__).debug("stopped", exc_info=True)
         print(message, file=sys.stderr)
+        if code == EXIT_CONFIG and cfg.resume is None:
+            _remove_unstarted(Path(cfg.run_dir))
         if isinstance(exc, KeyboardInterrupt):  # NOTE: stop a sweep too, not just this job
             raise SystemExit(code) from None
         return code
+
+
+def _remove_unstarted(folder: Path) -> None:
+    """A run that could not start leaves no folder behind: remove `folder` if it holds nothing but what Hydra wrote
+    at job start (`.hydra/`, the job's log), so the same `run_dir` works once the config is fixed."""
+    import shutil
+
+    if not folder.is_dir() or folder.resolve() == Path.cwd().resolve():
+        return
+    entries = list(folder.iterdir())
+    if all(e.name == ".hydra" or (e.suffix == ".log" and e.is_file()) for e in entries):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)
@@ -152,7 +195,7 @@ def _task(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
         from orthrus_rag.serving import serve
 
         serve(cfg)
-        return
+        return EXIT_OK
     if command == "index":
         print(f"index saved to {app.index(cfg)}")
         return EXIT_OK
@@ -191,6 +234,17 @@ def summarize(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("orthrus-rag")
+    except PackageNotFoundError:  # NOTE: run from a checkout without an install (PYTHONPATH)
+        from orthrus_rag import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("run", "index", "serve"):
@@ -198,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return _hydra(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="orthrus-rag", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"orthrus-rag {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="answer a dataset's questions (Hydra overrides follow)")
     sub.add_parser("index", help="build a dataset's retrieval index (Hydra overrides follow)")

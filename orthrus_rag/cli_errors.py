@@ -42,12 +42,13 @@ def describe_error(exc: BaseException, run_dir: str | None = None) -> tuple[int,
 def _describe(exc: BaseException) -> tuple[int, str] | None:
     from orthrus_rag.data.loaders import DatasetUnavailableError
     from orthrus_rag.pipelines.run_store import RunStoreError
+    from orthrus_rag.retrievers.faiss_index import FaissMissing
 
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_FAILED, "interrupted; every answered question is recorded: continue with resume=<run_dir>"
     if isinstance(exc, RunStoreError):
         return (EXIT_FAILED if exc.num_records else EXIT_CONFIG), f"error: {exc}"
-    if isinstance(exc, DatasetUnavailableError):
+    if isinstance(exc, (DatasetUnavailableError, FaissMissing)):
         return EXIT_CONFIG, f"error: {exc}"
     if isinstance(exc, ValueError):  # bad configuration or input (the message says which)
         return EXIT_CONFIG, f"error: {exc}"

@@ -29,6 +29,16 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw distribution (before temperature, top-k, top-p,
+    as OpenAI reports it), and the `top` most likely tokens at that position (id, log-probability), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class GenerationOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -37,6 +47,7 @@ class GenerationOutput:
     finish_reason: str | None  # "stop", "length", "abort"; None while streaming
     metrics: RequestMetrics | None = None
     finished: bool = True  # False: a streaming snapshot (token_ids and text so far)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 POOLING_TYPES = ("mean", "weighted_mean", "cls", "first", "last", "all")
+MAX_LOGPROBS = 20  # top tokens per position (OpenAI's chat limit)
 
 
 @dataclass
@@ -25,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower runs sooner (vLLM's convention); see PoolingParams.priority
+    # None: no log-probabilities; k >= 0: each sampled token's log-probability and the k best at its position,
+    # taken by the sampler in the step that samples the token
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS} (top tokens per position), "
+                             f"got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

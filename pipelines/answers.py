@@ -5,7 +5,7 @@ is the text after the *first* such phrase (a small model often runs on into an i
 own "So the answer is" belongs to another question), up to the end of its sentence. Models that ignore the format
 get a fallback: "the answer is ..." / "Answer: ..." anywhere, else the first sentence of the first line (direct
 answers come first). Answers to yes/no questions are reduced to "yes" / "no", so "No, the two mosques are not in
-the same neighbourhood." scores as "no".
+the same neighbourhood." scores as "no"; for any other question only a bare "yes" / "no" is.
 """
 
 from __future__ import annotations
@@ -74,12 +74,15 @@ def _first_sentence(text: str) -> str:
 
 
 def _yes_no(answer: str, question: str | None) -> str:
-    """"Yes, ..." / "No." / "no" -> "yes" / "no"; "No they are not" too when the question is a yes/no question
-    (a film called "No Way Out" is not an answer to one)."""
+    """A bare "Yes" / "No." -> "yes" / "no" for any question; "No, they are not ..." / "Yes. Both ..." only when the
+    question is a yes/no question (for another, "No. 1 Ladies' Detective Agency" or "No Way Out" is a title), and
+    never "No." followed by a number ("No. 1 ..."), which is a title or a rank even there."""
     match = re.match(r"(yes|no)\b(.*)", answer, re.IGNORECASE | re.DOTALL)
     if match is None:
         return answer
-    rest = match.group(2).lstrip()
-    if not rest or rest[0] in ",;:!.-—" or (question is not None and is_yes_no_question(question)):
-        return match.group(1).lower()
-    return answer
+    word, rest = match.group(1).lower(), match.group(2)
+    if not rest.strip(_EDGE + ".,;!-— "):
+        return word
+    if question is None or not is_yes_no_question(question) or re.match(r"\.\s*\d", rest):
+        return answer
+    return word

@@ -15,11 +15,20 @@ METRICS = ("ip", "l2")
 MIN_POINTS_PER_CENTROID = 39  # NOTE: FAISS k-means warns below this many training points per list
 
 
+class FaissMissing(ImportError):
+    """FAISS is not installed (an extra of this package); the message says how to install it."""
+
+
+FAISS_MISSING = ("dense retrieval needs FAISS, and orthrus-rag installs it only as an extra: pip install "
+                 "'orthrus-rag[cpu]' (faiss-cpu), or 'orthrus-rag[gpu]' (faiss-gpu-cu12) on a CUDA 12 machine; one "
+                 "of the two, never both (they install the same faiss module)")
+
+
 def import_faiss() -> Any:
     try:
         import faiss
     except ImportError as exc:
-        raise ImportError("dense retrieval needs FAISS: pip install faiss-cpu (or faiss-gpu)") from exc
+        raise FaissMissing(FAISS_MISSING) from exc
     return faiss
 
 

@@ -71,6 +71,7 @@ class FakeRunnerOutput:
     sampled: dict = field(default_factory=dict)
     embeddings: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
+    logprobs: dict = field(default_factory=dict)
 
 
 def _stop_at_max_tokens(req: Request) -> str | None:

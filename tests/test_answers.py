@@ -84,7 +84,19 @@ def test_a_title_starting_with_no_is_kept_for_other_questions():
     assert extract_answer("So the answer is No Country for Old Men.", "Which film came out first?") == \
         "No Country for Old Men"
     assert extract_answer("No Country for Old Men", None) == "No Country for Old Men"
-    assert extract_answer("No, it was not.", "Which film came out first?") == "no"  # punctuation: a no anyway
+    # only a yes/no question reduces "No, ..." (a bare "No." is a no for any question)
+    assert extract_answer("No, it was not.", "Which film came out first?") == "No, it was not"
+    assert extract_answer("So the answer is No.", "Which film came out first?") == "no"
+
+
+@pytest.mark.parametrize("question", ["Which film came out first, No. 1 Ladies' Detective Agency or Emma?",
+                                      "Is No. 1 Ladies' Detective Agency older than Emma?", None])
+def test_no_followed_by_a_number_is_a_title_not_a_no(question):
+    gen = "No. 1 Ladies' Detective Agency came out first."
+    assert extract_answer(gen, question) == "No. 1 Ladies' Detective Agency came out first"
+    assert answer_scores(extract_answer(gen, question), ["no"])["em"] == 0.0
+    assert extract_answer("So the answer is No. 1 Ladies' Detective Agency.", question) == \
+        "No. 1 Ladies' Detective Agency"
 
 
 def test_yes_no_questions_are_recognised():

@@ -101,7 +101,9 @@ def test_leaving_a_stream_or_cancelling_aborts(engine):
         async with AsyncEngine(engine) as aeng:
             async for _ in aeng.generate_stream("Once upon a time", LONG):
                 break
+            left_at = engine.num_steps
             await wait_for(lambda: aeng.num_pending == 0 and not engine.has_unfinished())
+            assert engine.num_steps - left_at < 50  # aborted: LONG needs 500 decode steps
 
             async def consume():
                 async for _ in aeng.generate_stream("Once upon a time", LONG):
@@ -110,10 +112,13 @@ def test_leaving_a_stream_or_cancelling_aborts(engine):
                 task = asyncio.create_task(coro)
                 await wait_for(lambda: engine.block_manager.num_used_blocks > 0)
                 task.cancel()
+                cancelled_at = engine.num_steps
                 with pytest.raises(asyncio.CancelledError):
                     await task
                 await wait_for(lambda: aeng.num_pending == 0 and not engine.has_unfinished())
                 assert engine.block_manager.num_used_blocks == 0
+                # the abort, not the request running out: LONG needs 500 decode steps
+                assert engine.num_steps - cancelled_at < 50
 
     asyncio.run(main())
 

@@ -24,7 +24,8 @@ def test_greedy_matches_transformers_in_mixed_steps(engine, hf_smol, smol_tokeni
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     # the 64-token budget and 32-token chunks force steps where some prompts are mid-prefill while others decode
     steps = list(engine.step_stats)[-40:]
-    assert any(s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in steps)
+    # counted from what the forward carried: one forward with every planned prefill and decode row
+    assert any(s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 and s.ran_as_scheduled for s in steps)
     for ids, out in zip(prompt_ids, outs):
         assert out.prompt_token_ids == ids
         assert len(out.token_ids) == MAX_TOKENS and out.finish_reason == "length"
@@ -43,3 +44,28 @@ def test_seeded_sampling_is_reproducible(engine):
     a = engine.generate(["Tell me a story"], params)[0]
     b = engine.generate(["Tell me a story", "Another prompt runs beside it"], params)[0]
     assert a.token_ids == b.token_ids
+
+
+def test_logprobs_are_the_sampling_steps_raw_distribution(engine, hf_smol, smol_tokenizer):
+    """`SamplingParams.logprobs`: each sampled token's log-probability and the top k, taken from the logits that
+    sampled it, under the raw distribution (temperature does not change them), equal to transformers' forward
+    over the same tokens; a greedy token is the top one."""
+    import torch
+
+    ids = smol_tokenizer("The capital of France is")["input_ids"]
+    greedy, hot = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3), \
+        SamplingParams(max_tokens=5, temperature=1.5, seed=11, logprobs=0)
+    outs = [engine.generate([ids], p)[0] for p in (greedy, hot)]
+    plain = engine.generate([ids], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    assert plain.logprobs is None and outs[0].token_ids == plain.token_ids  # asking changes no token
+    for out, k in zip(outs, (3, 0)):
+        assert [x.token_id for x in out.logprobs] == out.token_ids
+        with torch.no_grad():
+            logits = hf_smol(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].float()
+        want = torch.log_softmax(logits, dim=-1)
+        for t, (x, row) in enumerate(zip(out.logprobs, want)):
+            assert abs(x.logprob - row[x.token_id].item()) < 1e-3, t
+            assert len(x.top) == k
+            if k:
+                assert [i for i, _ in x.top] == row.topk(k).indices.tolist()
+                assert x.top[0][0] == x.token_id  # greedy took the best

@@ -35,6 +35,7 @@ def test_policy_gives_identical_results(policy, smol_engine, reference):
     for a, b in zip(embs, ref_embs):
         assert torch.allclose(a.embedding, b.embedding, atol=1e-5)
     steps = list(engine.step_stats)
+    assert all(s.ran_as_scheduled for s in steps)  # is_mixed below counts what each forward carried
     if policy == "unified-homo":
         assert not any(s.is_mixed for s in steps)
     else:

@@ -96,8 +96,11 @@ def test_iter_retgen_runnable_in_process(local, retriever):
     assert len(one["iterations"]) == 2 and one["error"] is None
     assert one["iterations"][0]["retrieved"][0]["title"] == "Jane Austen"
     assert one["iterations"][1]["query"].endswith(QUESTIONS[0])  # y_1 || q
-    many = rag.batch(QUESTIONS[:2])
-    assert [r["question"] for r in many] == QUESTIONS[:2]
+    first = local.aengine.engine.num_steps
+    many = rag.batch(QUESTIONS)  # nothing else in flight: the batch's own hops meet in the engine's steps
+    assert [r["question"] for r in many] == QUESTIONS
+    steps = [s for s in local.aengine.engine.step_stats if s.step >= first]
+    assert any(s.is_mixed for s in steps), "no step of the batch carried a query embedding beside a generation"
     events = list(rag.stream(QUESTIONS[1]))
     assert [e["event"] for e in events] == ["iteration", "iteration", "final"]
     assert [e["iteration"] for e in events[:2]] == [1, 2]

@@ -206,6 +206,7 @@ def test_mixed_generate_and_embed(models: dict) -> None:
     solo_gen = _engine(models["ours"], 64).generate([prompt], params)[0].token_ids
     engine = _engine(models["ours"], 7, budget=10)
     (gen,), (emb,) = engine.run(prompts=[prompt], sampling_params=params, texts=[text], pooling_params=ALL)
+    assert all(s.ran_as_scheduled for s in engine.step_stats)
     mixed = [s for s in engine.step_stats if s.is_mixed]
     assert any(s.num_decode_tokens and s.num_embed_tokens for s in mixed), "no step decoded while embedding"
     assert any(s.num_prefill_tokens and s.num_embed_tokens for s in mixed), "no step prefilled while embedding"

@@ -53,10 +53,20 @@ def test_no_retrieval_runs_once_without_passages():
     assert len(rec.iterations) == 1 and rec.iterations[0].retrieved == [] and rec.recall == {}
 
 
-def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path):
-    """SmolLM2 generates, MiniLM embeds, both in one engine loop; all questions run concurrently."""
+def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path, monkeypatch):
+    """SmolLM2 generates, MiniLM embeds, both in one engine loop; all questions run concurrently. The query
+    embeddings a question's next hop waits on reach the engine latency-critical (priority < 0); passages do not."""
     from orthrus_rag import app
+    from orthrus_rag.engine.engine import Engine
 
+    embedded: list[tuple[str, int]] = []
+    add_embed = Engine.add_embed
+
+    def spy(self, text, params=None, request_id=None):
+        embedded.append((text, params.priority))
+        return add_embed(self, text, params, request_id)
+
+    monkeypatch.setattr(Engine, "add_embed", spy)
     cfg = _compose("experiment=smoke", "dataset.num_questions=6", "pipeline.max_tokens=24", "retriever.k=3",
                    f"run_dir={tmp_path}", "progress=false", "engine.max_num_batched_tokens=128")
     summary = app.run(cfg)
@@ -76,6 +86,11 @@ def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path):
     assert json.loads((tmp_path / "summary.json").read_text())["complete"] is True
     assert "name: synthetic" in (tmp_path / "config.yaml").read_text()
     assert (tmp_path / "index" / "manifest.json").is_file()
+    questions = [r["question"] for r in records]
+    queries = [p for text, p in embedded if any(q in text for q in questions)]
+    passages = [p for text, p in embedded if not any(q in text for q in questions)]
+    assert len(queries) == 6 * 2 and set(queries) == {-1}  # one per iteration of each question
+    assert passages and set(passages) == {0}
 
 
 def test_prefix_caching_serves_the_shared_prompt_prefix_and_changes_no_answer(tmp_path: Path):

@@ -119,22 +119,44 @@ def test_completion_logprobs(served, client):
     assert len(lp.token_logprobs) == len(lp.top_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
 
 
-def test_disconnecting_streaming_client_frees_its_blocks(served):
+def _decoded_since(served, step: int) -> tuple[int, int]:
+    """(steps run since engine step `step`, decode tokens they carried)."""
+    steps = [s for s in served.engine.step_stats if s.step >= step]
+    return len(steps), sum(s.num_decode_tokens for s in steps)
+
+
+def _count(served, kind: str, status: str) -> float:
+    registry = served.server.app.state.metrics.registry
+    return registry.get_sample_value("orthrus_requests_total", {"kind": kind, "status": status}) or 0.0
+
+
+def test_disconnecting_streaming_client_aborts_its_request(served):
+    """The abort itself, not the request running out: greedy, LONG needs all 400 tokens (400 decode steps), so
+    a request left running would decode far more than the few steps the disconnect takes to notice."""
     body = {"model": served.model, "messages": LONG, "max_tokens": 400, "temperature": 0, "stream": True}
+    first = served.engine.num_steps
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{served.url}/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         for _ in range(4):  # role chunk, then some content: the request is decoding
             next(line for line in lines if line.startswith("data:"))
         assert served.engine.block_manager.num_free_blocks < served.engine.block_manager.num_blocks
-    _wait_idle(served, timeout_s=30)  # far less than 400 tokens would take
+    left = served.engine.num_steps
+    _wait_idle(served, timeout_s=30)
+    steps_after, _ = _decoded_since(served, left)
+    _, decoded = _decoded_since(served, first)
+    assert steps_after < 100 and decoded < 200, (steps_after, decoded)
 
 
 def test_disconnecting_plain_client_aborts_its_request(served):
-    body = {"model": served.model, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "temperature": 0}
+    body = {"model": served.model, "messages": LONG, "max_tokens": 400, "temperature": 0}
+    first, aborted = served.engine.num_steps, _count(served, "chat", "499")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{served.url}/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
+        httpx.post(f"{served.url}/chat/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
     _wait_idle(served, timeout_s=30)
+    _, decoded = _decoded_since(served, first)
+    assert decoded < 400, decoded  # it stopped before max_tokens: aborted, not finished
+    assert _count(served, "chat", "499") == aborted + 1  # answered as a client-closed request
 
 
 def test_full_queue_answers_429_with_retry_after(served):
@@ -167,6 +189,12 @@ def test_full_queue_answers_429_with_retry_after(served):
     ({"model": "smollm2-135m-instruct", "prompt": [1] * 9000, "max_tokens": 1}, 400, "maximum"),
     ({"model": "smollm2-135m-instruct", "prompt": [], "max_tokens": 1}, 400, "prompt is empty"),
     ({"model": "smollm2-135m-instruct", "prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    # strict types, as OpenAI: a number in a string is not a number, true is not a count
+    ({"model": "smollm2-135m-instruct", "prompt": "hi", "temperature": "0.5"}, 400, "temperature"),
+    ({"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": 2.0}, 400, "max_tokens"),
+    ({"model": "smollm2-135m-instruct", "prompt": "hi", "n": "2"}, 400, "n"),
+    ({"model": "smollm2-135m-instruct", "prompt": "hi", "stream": "yes"}, 400, "stream"),
 ])
 def test_bad_completion_requests_are_4xx_naming_the_problem(served, body, status, named):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -185,6 +213,9 @@ def test_bad_completion_requests_are_4xx_naming_the_problem(served, body, status
     ({"response_format": {"type": "json_object"}}, "json_object"),
     ({"n": 0}, "n"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"max_completion_tokens": False}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
 ])
 def test_bad_chat_requests_are_400_naming_the_problem(served, change, named):
     body = {"model": served.model, "messages": CHAT, "max_tokens": 2, **change}
@@ -202,6 +233,71 @@ def test_bad_embedding_requests(served):
     huge = httpx.post(url, content=b'{"input": "' + b"a" * (17 << 20) + b'"}',
                       headers={"content-type": "application/json"}, timeout=60)
     assert huge.status_code == 413
+    typed = httpx.post(url, json={"model": served.embedding_model, "input": "a", "dimensions": "384"})
+    assert typed.status_code == 400 and "dimensions" in typed.json()["error"]["message"]
+
+
+def test_a_request_that_can_never_fit_is_400_naming_the_limit_not_429(served, client):
+    """More inputs (or prompts x choices) than the server ever holds at once: waiting cannot help, so no
+    retryable 429; the official client gets a BadRequestError at once, naming the limit."""
+    limit = SERVED_MAX_PENDING
+    too_many = httpx.post(f"{served.url}/embeddings", json={"model": served.embedding_model, "input": ["a"] * (limit + 1)})
+    assert too_many.status_code == 400 and "retry-after" not in too_many.headers
+    assert f"at most {limit}" in too_many.json()["error"]["message"]
+    retrying = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=3, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="engine.max_pending"):
+        retrying.completions.create(model=served.model, prompt=["a", "b", "c"], n=3, max_tokens=1)
+    fits = client.embeddings.create(model=served.embedding_model, input=["a"] * limit)  # exactly the limit: served
+    assert len(fits.data) == limit
+    _wait_idle(served)
+
+
+def test_models_retrieve(served, client):
+    assert client.models.retrieve(served.model).id == served.model
+    assert client.models.retrieve(served.embedding_model).id == served.embedding_model
+    with pytest.raises(openai.NotFoundError, match="gpt-4o"):
+        client.models.retrieve("gpt-4o")
+
+
+def test_refused_requests_are_counted_too(served):
+    """Invalid JSON and schema violations never reach a route, but are answers all the same: counted by status."""
+    before = _count(served, "completions", "400"), _count(served, "chat", "400")
+    url = served.url
+    assert httpx.post(f"{url}/completions", content=b"{", headers={"content-type": "application/json"}).status_code \
+        == 400
+    assert httpx.post(f"{url}/completions", json={"model": served.model, "prompt": "hi", "top_p": 7}).status_code == 400
+    assert httpx.post(f"{url}/chat/completions", json={"model": served.model, "messages": []}).status_code == 400
+    assert (_count(served, "completions", "400"), _count(served, "chat", "400")) == (before[0] + 2, before[1] + 1)
+
+
+def _step_counts(served) -> dict[str, float]:
+    """Observations of `orthrus_step_tokens` per kind (one per step that carried that kind)."""
+    registry = served.server.app.state.metrics.registry
+    return {kind: registry.get_sample_value("orthrus_step_tokens_count", {"kind": kind}) or 0.0
+            for kind in ("embed", "prefill", "decode", "encoder")}
+
+
+def test_step_tokens_count_only_the_kinds_a_step_carried(served, client):
+    before = _step_counts(served)
+    client.embeddings.create(model=served.embedding_model, input=["one text", "another"])
+    after = _step_counts(served)
+    assert after["encoder"] > before["encoder"]
+    assert after["decode"] == before["decode"] and after["prefill"] == before["prefill"]  # no zeros recorded
+
+
+def test_logprobs_come_from_the_sampling_step_not_a_second_request(served, client, monkeypatch):
+    """No re-scoring pass: the chat is the only engine request, and no embedding row runs for it."""
+    kinds: list[str] = []
+    for name, kind in (("add_generate", "generate"), ("add_embed", "embed")):
+        original = getattr(served.engine, name)
+        monkeypatch.setattr(served.engine, name, lambda *a, _f=original, _k=kind, **kw: (kinds.append(_k), _f(*a, **kw))[1])
+    before = _step_counts(served)
+    out = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    assert kinds == ["generate"]
+    after = _step_counts(served)
+    assert (after["embed"], after["encoder"]) == (before["embed"], before["encoder"])
+    assert len(out.choices[0].logprobs.content) == out.usage.completion_tokens
 
 
 def test_bad_requests_leave_requests_in_flight_unharmed(served, client):

@@ -4,6 +4,7 @@ Bounded: a few dozen examples per endpoint, tiny generations."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -32,7 +33,8 @@ def _sampling() -> dict:
         "seed": maybe(st.integers(-(2**64), 2**64)),
         "user": maybe(SMALL_TEXT),
         "logit_bias": maybe(st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2)),
-        "stream": st.just(False),
+        "stream": maybe(st.booleans()),
+        "stream_options": maybe(st.fixed_dictionaries({}, optional={"include_usage": maybe(st.booleans())})),
     }
 
 
@@ -63,17 +65,31 @@ FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=list(Healt
 
 
 def _check(served, path: str, body: dict) -> None:
-    import json
-
     # NOTE: allow_nan: NaN and Infinity go out as the bare words Python's JSON writes, as a careless client would
     raw = json.dumps(body, allow_nan=True).encode()
-    resp = httpx.post(f"{served.url}/{path}", content=raw, headers={"content-type": "application/json"}, timeout=120)
-    assert resp.status_code < 500, f"{resp.status_code} for {body}: {resp.text[:300]}"
+    with httpx.stream("POST", f"{served.url}/{path}", content=raw, headers={"content-type": "application/json"},
+                      timeout=120) as resp:
+        text = resp.read().decode()
+    assert resp.status_code < 500, f"{resp.status_code} for {body}: {text[:300]}"
     if resp.status_code >= 400:
-        error = resp.json()["error"]
+        error = json.loads(text)["error"]
         assert error["message"] and error["type"]
+    elif resp.headers["content-type"].startswith("text/event-stream"):
+        _check_events(text, body)
     else:
-        assert resp.json()["object"] in ("list", "text_completion", "chat.completion")
+        assert json.loads(text)["object"] in ("list", "text_completion", "chat.completion")
+
+
+def _check_events(text: str, body: dict) -> None:
+    """A stream: every event is JSON (a chunk, or an error naming its cause) and it ends with [DONE] or the error."""
+    assert body.get("stream") is True
+    data = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    assert data, text[:300]
+    for item in data[:-1]:
+        assert json.loads(item)["object"] in ("text_completion", "chat.completion.chunk")
+    last = data[-1]
+    if last != "[DONE]":
+        assert json.loads(last)["error"]["message"]
 
 
 @FUZZ

@@ -12,9 +12,28 @@ from orthrus_rag.engine.stats import STEP_TIME_EDGES, Histogram, StepAggregator,
 
 
 def _step(i: int, rng: random.Random) -> StepStats:
-    return StepStats(i, rng.choice([0, 0, 32]), rng.randint(0, 256), rng.randint(0, 64), rng.choice([0, 40]),
-                     rng.randint(1, 64), rng.randint(0, 100), rng.randint(0, 64), rng.choice([0, 0, 0, 1]),
-                     rng.randint(0, 500), step_time=rng.lognormvariate(-3, 1))
+    s = StepStats(i, rng.choice([0, 0, 32]), rng.randint(0, 256), rng.randint(0, 64), rng.choice([0, 40]),
+                  rng.randint(1, 64), rng.randint(0, 100), rng.randint(0, 64), rng.choice([0, 0, 0, 1]),
+                  rng.randint(0, 500), step_time=rng.lognormvariate(-3, 1))
+    # executed as planned: one decoder forward with the planned rows
+    s.num_decoder_forwards = int(s.num_embed_tokens + s.num_prefill_tokens + s.num_decode_tokens > 0)
+    s.num_forward_embed_rows, s.num_forward_encoder_rows = s.num_embed_tokens, s.num_encoder_tokens
+    s.num_forward_generate_rows = s.num_prefill_tokens + s.num_decode_tokens
+    return s
+
+
+def test_a_step_is_mixed_only_when_one_forward_carried_both_kinds():
+    planned = StepStats(0, 32, 0, 4, 0, 5, 0, 5, 0, 3)
+    assert not planned.is_mixed  # the plan alone: nothing ran
+    planned.num_decoder_forwards, planned.num_forward_embed_rows, planned.num_forward_generate_rows = 1, 32, 4
+    assert planned.is_mixed and planned.ran_as_scheduled
+    planned.num_decoder_forwards = 2  # the same rows in two forwards: not one shared forward
+    assert not planned.is_mixed and not planned.ran_as_scheduled
+    planned.num_decoder_forwards, planned.num_forward_embed_rows = 1, 0  # the embedding rows were dropped
+    assert not planned.is_mixed and not planned.ran_as_scheduled
+    encoder = StepStats(0, 0, 0, 4, 40, 5, 0, 5, 0, 3, num_decoder_forwards=1, num_forward_generate_rows=4,
+                        num_forward_encoder_rows=40)
+    assert encoder.is_mixed and encoder.ran_as_scheduled
 
 
 def test_totals_are_the_sums_over_every_step():

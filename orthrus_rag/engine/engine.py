@@ -122,7 +122,7 @@ class Engine:
             raise ValueError("a handed-off request needs its first sampled token")
         req = Request(request_id or handoff.request_id, RequestKind.GENERATE, prompt,
                       sampling_params=handoff.sampling_params, output_token_ids=list(handoff.output_token_ids),
-                      output_text=handoff.output_text,
+                      output_text=handoff.output_text, output_logprobs=list(handoff.output_logprobs),
                       generator=restore_generator(handoff.generator_state, self.config.model.device))
         if handoff.metrics is not None:
             req.arrival_time = handoff.metrics.arrival_time
@@ -206,6 +206,7 @@ class Engine:
         for req in [s.req for s in sched.scheduled] + sched.encoder:
             req.first_scheduled_time = req.first_scheduled_time or now
         result = self.runner.execute(sched)
+        stats.record_execution(result)
         done = self.scheduler.update_from_output(sched, result, time.monotonic(), time.monotonic() - now)
         outputs = [self._output(req, done) for req in done.finished]
         outputs += [self._hand_off(req) for req in done.handoffs]
@@ -227,8 +228,9 @@ class Engine:
                 return EmbeddingOutput(req.req_id, req.prompt_token_ids, torch.empty(0), "error", metrics,
                                        error=done.errors[req.req_id])
             return EmbeddingOutput(req.req_id, req.prompt_token_ids, done.embeddings[req.req_id], metrics=metrics)
+        logprobs = list(req.output_logprobs) if req.sampling_params.logprobs is not None else None
         return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
-                                req.finish_reason, metrics)
+                                req.finish_reason, metrics, logprobs=logprobs)
 
     def _hand_off(self, req: Request) -> HandoffOutput:
         """Stop `req` after its first token: copy its KV out, free its blocks, return what another engine needs."""
@@ -239,7 +241,8 @@ class Engine:
         return HandoffOutput(
             req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text, kv, req.sampling_params,
             req.generator.get_state() if req.generator is not None else None,
-            RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, None))
+            RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, None),
+            output_logprobs=list(req.output_logprobs))
 
     def run_until_done(self, max_steps: int | None = None) -> dict[str, Output]:
         """Step until every request finished; bounded by `max_steps` (default: enough for every token)."""

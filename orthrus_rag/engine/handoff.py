@@ -7,7 +7,7 @@ over with `Engine.add_prefilled(handoff)` and keeps decoding from that KV, witho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class HandoffOutput:
     generator_state: torch.Tensor | None = None  # torch.Generator.get_state() of a seeded request
     metrics: RequestMetrics | None = None
     finished: bool = True
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, if asked for
 
     @property
     def num_computed_tokens(self) -> int:

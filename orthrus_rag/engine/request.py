@@ -42,6 +42,7 @@ class Request:
     handoff: bool = False  # hand it to another engine once its first token is sampled (engine/handoff.py)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)  # TokenLogprob per output token, if asked for
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -20,13 +20,15 @@ from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, sele
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
-from orthrus_rag.layers.sampler import Sampler
+from orthrus_rag.layers.sampler import Sampler, token_logprobs
+from orthrus_rag.outputs import TokenLogprob
 from orthrus_rag.models.llama import CausalLM
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req_id -> new token
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # req_id -> its new token's, if asked for
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> pooled result
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why its pooling failed
     # what ran, as executed (not as scheduled): rows of each kind in the one decoder forward, encoder rows
@@ -155,9 +157,23 @@ class ModelRunner:
         if sample_reqs:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            tokens = self.sampler(logits, [r.sampling_params for r in sample_reqs],
-                                  [r.generator for r in sample_reqs]).tolist()
+            sampled = self.sampler(logits, [r.sampling_params for r in sample_reqs], [r.generator for r in sample_reqs])
+            tokens = sampled.tolist()
             out.sampled.update((r.req_id, tok) for r, tok in zip(sample_reqs, tokens))
+            self._logprobs(logits, sampled, sample_reqs, out)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, reqs: list[Request], out: RunnerOutput) -> None:
+        """The sampled tokens' log-probabilities for the rows that asked, from the logits that sampled them."""
+        rows = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        top_k = max(reqs[i].sampling_params.logprobs for i in rows)
+        chosen, top = token_logprobs(logits.index_select(0, index), sampled.index_select(0, index), top_k)
+        for i, lp, best in zip(rows, chosen, top):
+            req = reqs[i]
+            out.logprobs[req.req_id] = TokenLogprob(int(sampled[i]), lp, best[:req.sampling_params.logprobs])
 
     def _pool(self, req: Request, hidden: torch.Tensor, positions: torch.Tensor, n: int, out: RunnerOutput) -> None:
         if req.pooler_state is None:

@@ -141,6 +141,8 @@ class Scheduler:
                 result.finished.append(req)
             elif rid in output.sampled:
                 req.output_token_ids.append(output.sampled[rid])
+                if rid in output.logprobs:
+                    req.output_logprobs.append(output.logprobs[rid])
                 req.first_token_time = req.first_token_time or now
                 reason = self.stop_checker(req)
                 if reason is not None:

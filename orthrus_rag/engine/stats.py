@@ -26,12 +26,36 @@ class StepStats:
     num_preempted: int
     kv_blocks_used: int
     step_time: float = 0.0
+    # what the runner executed (the fields above are the scheduler's plan): rows of each kind in its decoder
+    # forwards, and rows of the separate encoder's forward
+    num_decoder_forwards: int = 0
+    num_forward_embed_rows: int = 0
+    num_forward_generate_rows: int = 0
+    num_forward_encoder_rows: int = 0
 
     @property
     def is_mixed(self) -> bool:
-        """Embedding and generation tokens in the same step."""
-        embed = self.num_embed_tokens + self.num_encoder_tokens
-        return embed > 0 and self.num_prefill_tokens + self.num_decode_tokens > 0
+        """The step's one decoder forward carried embedding and generation rows together (or the encoder ran
+        beside a forward that carried generation rows): counted from what ran, not from the plan."""
+        if self.num_forward_generate_rows == 0:
+            return False
+        same_forward = self.num_decoder_forwards == 1 and self.num_forward_embed_rows > 0
+        return same_forward or self.num_forward_encoder_rows > 0
+
+    @property
+    def ran_as_scheduled(self) -> bool:
+        """Every planned token ran, in one decoder forward (if any) and the encoder's."""
+        planned = self.num_embed_tokens + self.num_prefill_tokens + self.num_decode_tokens
+        return (self.num_decoder_forwards == int(planned > 0) and self.num_forward_embed_rows == self.num_embed_tokens
+                and self.num_forward_generate_rows == self.num_prefill_tokens + self.num_decode_tokens
+                and self.num_forward_encoder_rows == self.num_encoder_tokens)
+
+    def record_execution(self, executed: Any) -> None:
+        """Copy what the runner executed (its RunnerOutput's row counts)."""
+        self.num_decoder_forwards = executed.num_decoder_forwards
+        self.num_forward_embed_rows = executed.num_embed_rows
+        self.num_forward_generate_rows = executed.num_generate_rows
+        self.num_forward_encoder_rows = executed.num_encoder_rows
 
     @classmethod
     def from_schedule(cls, step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,

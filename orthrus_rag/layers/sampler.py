@@ -16,6 +16,18 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
+                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Log-probabilities of `token_ids` [n] under the raw logits [n, V] (the distribution before temperature and
+    filtering, as OpenAI and vLLM report it) and the `top_k` best per row; one log-softmax over the rows."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    if top_k == 0:
+        return chosen, [[] for _ in chosen]
+    top = lp.topk(top_k, dim=-1)
+    return chosen, [list(zip(ids, vals)) for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
+
+
 class Sampler:
     """Turns a step's last-position logits into one token id per request.
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import logging
 from collections.abc import Awaitable
@@ -18,7 +17,8 @@ from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.serving import generation
 from orthrus_rag.serving.errors import OpenAIError, error_response, install_error_handlers
 from orthrus_rag.serving.metrics import ServerMetrics
-from orthrus_rag.serving.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelList
+from orthrus_rag.serving.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard,
+                                         ModelList)
 from orthrus_rag.serving.service import OpenAIService
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | None = None, api_ke
     app.state.service, app.state.metrics = service, metrics
     install_error_handlers(app)
     app.add_middleware(_BodyLimit)
+    app.add_middleware(_CountRequests, metrics=metrics)  # NOTE: outermost, so 413s and 400s are counted too
     _add_routes(app, service, metrics, [Depends(_authorizer(api_key))])
     return app
 
@@ -64,20 +65,21 @@ def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1
     async def models() -> ModelList:
         return service.list_models()
 
+    @app.get("/v1/models/{model_id:path}", dependencies=v1, response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        return service.model_card(model_id)
+
     @app.post("/v1/embeddings", dependencies=v1)
-    @_counted(metrics, "embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
         return JSONResponse(await service.embeddings(body, _until_disconnect(request)))
 
     @app.post("/v1/completions", dependencies=v1)
-    @_counted(metrics, "completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.stream:
             return _sse(await generation.completions_stream(service, body))
         return JSONResponse(await generation.completions(service, body, _until_disconnect(request)))
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    @_counted(metrics, "chat")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         if body.stream:
             return _sse(await generation.chat_stream(service, body))
@@ -93,25 +95,6 @@ def _authorizer(api_key: str | None):
             raise OpenAIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                               code="invalid_api_key")
     return authorize
-
-
-def _counted(metrics: ServerMetrics, kind: str):
-    """Count each request of an endpoint by its answer's status (`ok`, or the error's status code)."""
-    def wrap(fn):
-        @functools.wraps(fn)  # NOTE: FastAPI reads the wrapped signature for the body and the request
-        async def inner(*args: Any, **kwargs: Any) -> Any:
-            status = "error"
-            try:
-                result = await fn(*args, **kwargs)
-                status = "ok"
-                return result
-            except OpenAIError as exc:
-                status = str(exc.status)
-                raise
-            finally:
-                metrics.requests.labels(kind, status).inc()
-        return inner
-    return wrap
 
 
 def _sse(events: Any) -> StreamingResponse:
@@ -135,6 +118,36 @@ def _until_disconnect(request: Request):
             if not task.done():
                 task.cancel()
     return run
+
+
+ENDPOINT_KINDS = {"/v1/embeddings": "embeddings", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class _CountRequests:
+    """Count every answer of the generating and embedding endpoints by status (`ok`, or the status code), the
+    ones refused before a route runs (invalid JSON, a schema violation, a body too large, a missing key)
+    included. Plain ASGI: it reads the status from the response's start message and passes everything on."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        kind = ENDPOINT_KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if kind is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        status: list[int] = []
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            label = "error" if not status else ("ok" if status[0] == 200 else str(status[0]))
+            self.metrics.requests.labels(kind, label).inc()
 
 
 class _BodyLimit:

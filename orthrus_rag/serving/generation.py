@@ -11,7 +11,7 @@ from typing import Any
 
 from orthrus_rag.outputs import GenerationOutput
 from orthrus_rag.serving.errors import OpenAIError, bad_request
-from orthrus_rag.serving.logprobs import chat_logprobs, completion_logprobs, token_logprobs
+from orthrus_rag.serving.logprobs import chat_logprobs, completion_logprobs
 from orthrus_rag.serving.schemas import ChatCompletionRequest, CompletionRequest
 from orthrus_rag.serving.service import OpenAIService, as_prompts, new_id
 
@@ -47,21 +47,18 @@ def chat_prompt(service: OpenAIService, req: ChatCompletionRequest) -> list[int]
 def _chat_params(service: OpenAIService, req: ChatCompletionRequest) -> list:
     service.check_generation_model(req.model)
     _refuse_unsupported(req)
-    return [service.sampling_params(req.token_limit(), req.temperature, req.top_p, req.stop_list(), req.seed, i)
-            for i in range(req.n)]
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return [service.sampling_params(req.token_limit(), req.temperature, req.top_p, req.stop_list(), req.seed, i,
+                                    logprobs) for i in range(req.n)]
 
 
 async def chat(service: OpenAIService, req: ChatCompletionRequest, run: Runner | None = None) -> dict[str, Any]:
     params = _chat_params(service, req)
     prompt = chat_prompt(service, req)
     outs = await service.generate_many(prompt, params, run)
-    top_k = req.top_logprobs or 0
     choices = []
     for i, out in enumerate(outs):
-        logprobs = None
-        if req.logprobs:
-            items = await service.guard(token_logprobs(service.aengine, out, top_k), run)
-            logprobs = chat_logprobs(items, service.tokenizer, top_k)
+        logprobs = chat_logprobs(out.logprobs, service.tokenizer) if req.logprobs else None
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
                         "logprobs": logprobs, "finish_reason": _finish_reason(out)})
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
@@ -107,8 +104,8 @@ def _completion_params(service: OpenAIService, req: CompletionRequest) -> tuple[
     service.check_generation_model(req.model)
     _refuse_unsupported(req)
     prompts = as_prompts(req.prompt)
-    params = [service.sampling_params(req.max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed, i)
-              for i in range(req.n)]
+    params = [service.sampling_params(req.max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed, i,
+                                      req.logprobs) for i in range(req.n)]
     return prompts, params
 
 
@@ -127,10 +124,7 @@ async def completions(service: OpenAIService, req: CompletionRequest, run: Runne
     for p_index, outs in enumerate(per_prompt):
         prompt_tokens += len(outs[0].prompt_token_ids)
         for i, out in enumerate(outs):
-            logprobs = None
-            if req.logprobs is not None:
-                items = await service.guard(token_logprobs(service.aengine, out, req.logprobs), run)
-                logprobs = completion_logprobs(items, service.tokenizer, req.logprobs)
+            logprobs = completion_logprobs(out.logprobs, service.tokenizer) if req.logprobs is not None else None
             choices.append({"index": p_index * req.n + i, "text": out.text, "logprobs": logprobs,
                             "finish_reason": _finish_reason(out)})
         outs_all.extend(outs)

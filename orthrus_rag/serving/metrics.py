@@ -67,7 +67,8 @@ class ServerMetrics:
     def observe_step(self, stats: StepStats) -> None:
         for kind, n in zip(STEP_KINDS, (stats.num_embed_tokens, stats.num_prefill_tokens, stats.num_decode_tokens,
                                         stats.num_encoder_tokens)):
-            self.step_tokens.labels(kind).observe(n)
+            if n:  # NOTE: a kind absent from a step is not a step of 0 tokens of it
+                self.step_tokens.labels(kind).observe(n)
         self.steps.inc()
         self._num_steps += 1
         if stats.is_mixed:

@@ -22,7 +22,8 @@ TokenIds = list[int]
 
 class _Strict(BaseModel):
     # NOTE: NaN and infinity parse from Python's JSON ("NaN", "Infinity"); refuse them at the schema
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: "0.5" is not a number and true is not a count (OpenAI refuses both); an int is still a float
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Strict):
@@ -83,13 +84,13 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

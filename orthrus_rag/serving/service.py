@@ -64,6 +64,13 @@ class OpenAIService:
         names = dict.fromkeys([self.models.generation, *self.models.embedding])
         return ModelList(data=[ModelCard(id=n, created=self.created) for n in names])
 
+    def model_card(self, model: str) -> ModelCard:
+        """`GET /v1/models/{model}`: its card, or a 404 naming the served ones."""
+        names = list(dict.fromkeys([self.models.generation, *self.models.embedding]))
+        if model not in names:
+            raise _unknown_model(model, names)
+        return ModelCard(id=model, created=self.created)
+
     def check_generation_model(self, model: str) -> None:
         if model != self.models.generation:
             raise _unknown_model(model, [self.models.generation])
@@ -96,13 +103,15 @@ class OpenAIService:
 
     # ---- generation -----------------------------------------------------------------------------------------
     def sampling_params(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
-                        stop: list[str], seed: int | None, index: int) -> SamplingParams:
-        """OpenAI defaults: temperature 1, top_p 1; `n` samples differ by seed (seed + index when one is given)."""
+                        stop: list[str], seed: int | None, index: int, logprobs: int | None = None,
+                        ) -> SamplingParams:
+        """OpenAI defaults: temperature 1, top_p 1; `n` samples differ by seed (seed + index when one is given);
+        `logprobs`: the top tokens to report per position (None: no log-probabilities)."""
         try:
             return SamplingParams(max_tokens=max_tokens or self.default_max_tokens,
                                   temperature=1.0 if temperature is None else temperature,
                                   top_p=1.0 if top_p is None else top_p, stop=stop,
-                                  seed=None if seed is None else (seed + index) % (2**63))
+                                  seed=None if seed is None else (seed + index) % (2**63), logprobs=logprobs)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
@@ -161,11 +170,15 @@ class OpenAIService:
 
     # ---- failures -------------------------------------------------------------------------------------------
     def _reserve(self, n: int) -> None:
-        """429 when `n` more requests would pass the AsyncEngine's pending limit (nothing is submitted then)."""
-        if self.aengine.num_pending + n > self.aengine.max_pending:
-            raise OpenAIError(429, f"the server is busy ({self.aengine.num_pending} requests pending, the limit "
-                              f"is {self.aengine.max_pending}); retry later", "rate_limit_error",
-                              code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        """Room for `n` more requests under the AsyncEngine's pending limit, or an error (nothing is submitted
+        then): a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429."""
+        limit, pending = self.aengine.max_pending, self.aengine.num_pending
+        if n > limit:
+            raise bad_request(f"this request needs {n} engine requests (one per input, prompt and choice); the "
+                              f"server takes at most {limit} at a time (engine.max_pending): split it")
+        if pending + n > limit:
+            raise OpenAIError(429, f"the server is busy ({pending} requests pending, the limit is {limit}); retry "
+                              "later", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def guard(self, coro: Awaitable[T], run: Callable[[Awaitable[T]], Awaitable[T]] | None = None) -> T:
         """Await `coro` (through `run`, e.g. one that cancels it when the client disconnects), mapping engine

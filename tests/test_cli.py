@@ -1,0 +1,76 @@
+"""The console script's own behaviour: bad values stop a run before anything loads or is written, `--version`,
+`serve` leaves no folder behind, and two different run folders are refused (no model is loaded here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orthrus_rag import app
+from orthrus_rag.cli import main
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Fail the test if a command gets as far as building a backend (loading models)."""
+    def refuse(cfg):  # noqa: ANN001
+        raise AssertionError("a model would have loaded")
+    monkeypatch.setattr(app, "build_backend", refuse)
+
+
+@pytest.mark.parametrize("override,named", [
+    ("pipeline.temperature=nan", "temperature must be a finite number"),
+    ("pipeline.temperature=-0.5", "temperature must be non-negative"),
+    ("pipeline.max_tokens=0", "max_tokens"),
+    ("retriever.pooling=median", "unknown pooling type 'median'"),
+    ("retriever.nprobe=0", "retriever.nprobe"),
+    ("engine.max_num_batched_tokens=0", "max_num_batched_tokens"),
+    ("engine.min_share=0.9", "min_share"),
+    ("engine.kv_cache_gib=-1", "kv_cache_gib"),
+    ("model.dtype=float8", "unknown dtype"),
+    ("serve.port=70000", "serve.port"),
+])
+def test_bad_values_fail_before_any_model_loads_and_leave_no_folder(override, named, tmp_path, no_models, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["run", override, f"run_dir={run_dir}", "progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+    assert not run_dir.exists()  # not even Hydra's .hydra/: the same run_dir works once the value is fixed
+
+
+def test_a_started_folder_is_kept_on_a_config_error(tmp_path, no_models):
+    """Only a folder holding nothing but Hydra's start-up files is removed; anything else stays."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    assert main(["run", "pipeline.temperature=nan", f"run_dir={run_dir}", "progress=false"]) == 2
+    assert (run_dir / "notes.txt").read_text() == "mine"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("orthrus-rag ") and out.split()[1][0].isdigit()
+
+
+def test_serve_writes_no_folder_into_the_current_one(tmp_path, monkeypatch):
+    import orthrus_rag.serving
+
+    served = []
+    monkeypatch.setattr(orthrus_rag.serving, "serve", lambda cfg: served.append(cfg.serve.port))
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "serve.port=8123"]) == 0
+    assert served == [8123]
+    assert list(Path(tmp_path).iterdir()) == []  # no runs/<timestamp>/, no .hydra/, no serve.log
+
+
+def test_two_different_run_folders_are_refused(tmp_path, no_models, capsys):
+    a, b = tmp_path / "A", tmp_path / "B"
+    assert main(["run", f"run_dir={a}", f"hydra.run.dir={b}"]) == 2
+    assert "two different folders" in capsys.readouterr().err
+    assert not a.exists() and not b.exists()
+    assert main(["run", "-m", f"run_dir={a}", f"hydra.sweep.dir={b}", "engine=orthrus,hetero_fcfs"]) == 2
+    assert not a.exists() and not b.exists()
