@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test bench bench-all clean peers
+.PHONY: install demo test test-fast bench bench-all clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# the edit-test loop: model-free tests only (under a minute); a test here that loads a model fails, naming `slow`
+test-fast: install
+	ORTHRUS_TEST_FAST=1 $(PY) -m pytest -q -m "not slow and not gpu"
 
 bench: install
 	$(PY) scripts/bench_engine.py

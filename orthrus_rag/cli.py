@@ -7,6 +7,7 @@
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
     orthrus-rag serve [overrides...]   the OpenAI-compatible server (e.g. serve.port=8000 serve.api_key=...)
     orthrus-rag demo                   generate and embed together on the built-in models, show the mixed steps
+    orthrus-rag --version
 
 Exit codes: 0 every question answered; 1 some questions failed (summary.json says which and why) or the run
 stopped part-way (resume= continues it); 2 bad configuration (nothing ran).

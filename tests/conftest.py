@@ -16,6 +16,39 @@ settings.register_profile("fixed", derandomize=True, print_blob=True)
 settings.register_profile("explore", print_blob=True)
 settings.load_profile("explore" if os.environ.get("ORTHRUS_FUZZ_EXPLORE") else "fixed")
 
+FAST = os.environ.get("ORTHRUS_TEST_FAST") == "1"
+
+
+class ModelLoadInFastRun(AssertionError):
+    """A test of the fast subset built an engine or loaded weights: mark it `slow`."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`make test-fast` (ORTHRUS_TEST_FAST=1, `-m "not slow and not gpu"`): the subset must stay model-free, so
+    building an engine or resolving a model's weights fails the test that did it, naming the marker to add."""
+    if not FAST:
+        return
+    from orthrus_rag.engine.engine import Engine
+    from orthrus_rag.models import registry
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ModelLoadInFastRun("this test loads a model or builds an engine: mark it @pytest.mark.slow")
+
+    Engine.__init__ = refuse  # type: ignore[method-assign]
+    registry.resolve_model_path = refuse  # type: ignore[assignment]
+
+
+# the shared fixtures that load a real model: a test that uses any of them (directly or through another fixture)
+# is `slow`; modules that build engines on their own models carry `pytestmark = pytest.mark.slow`
+MODEL_FIXTURES = {"smol_path", "smol_tokenizer", "hf_smol", "smol_engine", "engine", "served"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 SMOL = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
 

@@ -12,6 +12,8 @@ import torch
 from orthrus_rag import SamplingParams
 from orthrus_rag.engine.async_engine import AsyncEngine, EngineQueueFull, EngineShutdown, RequestAborted
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)  # aborted long before it ends
 

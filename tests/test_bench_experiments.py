@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "scripts" / "bench" / "conf"
 TINY = ["model=smollm2-135m-instruct", "workload.words=8", "workload.max_tokens=4", "engine.max_num_batched_tokens=64",

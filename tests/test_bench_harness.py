@@ -17,6 +17,8 @@ from scripts.bench.driver import closed_loop, open_loop, summarize
 from scripts.bench.report import markdown_table, plot_latency_cdf, plot_step_mix, plot_throughput, write_json
 from scripts.bench.workloads import Workload, fcfs_blocking, mixed_stream, poisson, three_phase
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 
 class FakeClient:
     """Finishes an embedding after 2 polls and a generation after 4; tracks the most requests in flight."""

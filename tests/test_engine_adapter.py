@@ -10,6 +10,8 @@ import torch
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 from tests.conftest import SMOL, engine_overrides
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 TEXTS = ["Who directed the film Blue Lagoon?", " ".join(["The film was shot on location in Fiji."] * 12),
          "Paris"]
 

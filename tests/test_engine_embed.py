@@ -11,6 +11,8 @@ import torch
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 from orthrus_rag.layers.pooler import pool_whole
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 POOLINGS = ["mean", "weighted_mean", "cls", "first", "last", "all"]
 
 

@@ -8,6 +8,8 @@ import torch
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 from tests.conftest import MINILM, SMOL, engine_overrides
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 TEXTS = ["The cat sits outside.", "A man is playing guitar.",
          " ".join(["Retrieval-augmented generation answers questions from documents."] * 10), "ok"]
 

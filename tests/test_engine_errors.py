@@ -9,6 +9,8 @@ import torch
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 

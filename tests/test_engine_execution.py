@@ -16,6 +16,8 @@ import torch
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 from orthrus_rag.engine.async_engine import AsyncEngine
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 LONG_TEXT = " ".join(f"Paragraph {i} describes a river, a mill and a town on the coast." for i in range(8))
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from orthrus_rag import SamplingParams
 from tests.parity import check_greedy_close, hf_greedy
+import pytest
+
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
 PROMPTS = [
     "Hi",

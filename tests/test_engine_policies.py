@@ -11,6 +11,8 @@ import torch
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 from orthrus_rag.engine.policies import POLICIES
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 PROMPTS = ["The tallest mountain on Earth is", "Write a short poem about rain:",
            " ".join(["A long prompt about the history of trains."] * 6), "2 + 2 ="]
 TEXTS = [" ".join(["Passage about rivers and films."] * k) for k in (1, 3, 9, 20, 2)]

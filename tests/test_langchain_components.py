@@ -17,6 +17,8 @@ from orthrus_rag.integrations.langchain import (ChatOrthrus, IterRetGenRunnable,
                                                 OrthrusRetriever)
 from tests.conftest import MINILM, SERVED_REFERENCE_TEXTS
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 TITLES = ["Jane Austen", "Nile", "Mount Everest", "Marie Curie"]
 TEXTS = ["Jane Austen wrote the novel Pride and Prejudice, published in 1813.",
          "The Nile is a river in Africa that flows north into the Mediterranean Sea.",

@@ -11,6 +11,8 @@ from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests
 from orthrus_rag.integrations.langchain import ChatOrthrus, OrthrusEmbeddings
 from tests.conftest import MINILM, SMOL
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 NO_SERVER = "http://127.0.0.1:9/v1"  # unit tests never send a request
 
 

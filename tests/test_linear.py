@@ -72,6 +72,7 @@ def test_choose_kernel_times_both_and_names_one():
     assert choose_kernel([(16, 24), (24, 16)], rows=(1, 4)) in ("dense", "onednn")
 
 
+@pytest.mark.slow
 def test_engine_results_equal_with_and_without_onednn():
     from orthrus_rag import Engine
 

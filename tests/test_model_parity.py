@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Pretr
 from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, PoolingParams, SamplingParams, SchedulerConfig
 from orthrus_rag.models.loader import load_decoder
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 ATOL = 1e-4  # max abs logit difference, fp32
 NEAR_TIE = 1e-4  # top-2 logit gap under which two correct fp32 implementations may pick different tokens
 VOCAB = 256

@@ -11,6 +11,9 @@ from orthrus_rag.data import make_synthetic
 from orthrus_rag.data.types import Passage
 from orthrus_rag.pipelines import IterRetGen
 from tests.test_app_config import _compose
+import pytest
+
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
 
 class FakeRetriever:

@@ -98,6 +98,7 @@ QUESTIONS = ["Question: which river flows north? Answer:", "Question: which rive
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_greedy_outputs_do_not_change_and_shared_prompts_compute_less(engines) -> None:
     plain, cached = engines
     prompts = [PREFIX + q for q in QUESTIONS]
@@ -113,6 +114,7 @@ def test_greedy_outputs_do_not_change_and_shared_prompts_compute_less(engines) -
     assert cached.block_manager.num_free_blocks == cached.block_manager.num_blocks  # cached blocks count as free
 
 
+@pytest.mark.slow
 def test_preemption_and_a_cache_full_of_other_prompts_keep_outputs(engines) -> None:
     plain, cached = engines
     prompts = [PREFIX * 3 + q for q in QUESTIONS] + [f"Story {i}: once upon a time there was a river" for i in

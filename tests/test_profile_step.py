@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
 ROOT = Path(__file__).resolve().parents[1]
 

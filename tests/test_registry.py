@@ -19,6 +19,7 @@ def converted(monkeypatch, tmp_path):
     return calls
 
 
+@pytest.mark.slow
 def test_gguf_files_of_one_name_get_their_own_conversion(converted, tmp_path):
     a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
     for path, data in ((a, b"one"), (b, b"other")):
@@ -32,6 +33,7 @@ def test_gguf_files_of_one_name_get_their_own_conversion(converted, tmp_path):
     assert registry.resolve_model_path(str(a)) != out_a  # a new file is converted anew
 
 
+@pytest.mark.slow
 def test_bad_names_say_what_is_accepted(converted, tmp_path):
     with pytest.raises(ValueError, match="GGUF file not found"):
         registry.resolve_model_path(str(tmp_path / "missing.gguf"))

@@ -14,6 +14,9 @@ from pathlib import Path
 from orthrus_rag import app
 from tests.test_app_config import _compose
 from tests.test_run_folder import _records, _strip
+import pytest
+
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: the same engine steps in every session: one question at a time (with several in flight, which questions

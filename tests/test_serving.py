@@ -16,6 +16,8 @@ import torch
 
 from tests.conftest import SERVED_MAX_PENDING, SERVED_REFERENCE_TEXTS
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 CHAT = [{"role": "user", "content": "Name three colours."}]
 # greedy, SmolLM2 writes all 400 tokens for this one (it stops after ~120 for "Count from 1 to 500.")
 LONG = [{"role": "user", "content": "Write the numbers from 1 to 300, separated by commas."}]

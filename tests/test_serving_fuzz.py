@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                  st.text(max_size=8), st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=3),
                                                                                                  st.integers(), max_size=2))
