@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from orthrus_rag.app_config import engine_config, validate
+from orthrus_rag.app_config import build_engine, engine_config_from, validate
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +24,6 @@ def load_examples(cfg: Any) -> list:
     return load_qa(d.name, path=d.path, hub_id=d.hub_id, split=d.split, limit=d.limit)
 
 
-def build_engine(cfg: Any):  # -> Engine
-    from orthrus_rag import Engine
-
-    return Engine.from_config(engine_config(cfg))
-
-
 def build_backend(cfg: Any):  # -> Backend
     """`engine.serving`: `engine` (one co-scheduled engine) or a two-process deployment of it."""
     from orthrus_rag.backends import EngineBackend, deployment_backend
@@ -38,7 +32,7 @@ def build_backend(cfg: Any):  # -> Backend
         return EngineBackend(build_engine(cfg), max_pending=cfg.engine.max_pending)
     threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
     logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
-    return deployment_backend(cfg.engine.serving, engine_config(cfg), threads)
+    return deployment_backend(cfg.engine.serving, engine_config_from(cfg), threads)
 
 
 def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:
@@ -111,7 +105,7 @@ def build_pipeline(cfg: Any, backend: Any, retriever: Any):  # -> IterRetGen
         logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
                        concurrency, backend.name, admitted, admitted)
         concurrency = admitted
-    return IterRetGen(backend.generator, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
+    return IterRetGen(backend.client, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
                       sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
                       chat_template=backend.tokenizer if p.chat_template else None, max_concurrency=concurrency,
                       question_timeout_s=p.question_timeout_s)

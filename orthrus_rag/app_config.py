@@ -9,7 +9,6 @@ from typing import Any
 
 from orthrus_rag.backends import SERVINGS
 from orthrus_rag.data.loaders import DATASETS as _DATASET_SPECS
-from orthrus_rag.engine.policies import POLICIES
 from orthrus_rag.pipelines.iter_retgen import PIPELINES
 from orthrus_rag.retrievers.faiss_index import INDEX_TYPES
 
@@ -140,7 +139,6 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"dataset.limit must be at least 1, got {cfg.dataset.limit}")
     if cfg.dataset.num_questions < 1:
         raise ValueError(f"dataset.num_questions must be at least 1, got {cfg.dataset.num_questions}")
-    _choice(cfg.engine.policy, POLICIES, "engine.policy")
     _choice(cfg.model.linear_kernel, ("auto", "dense", "onednn"), "model.linear_kernel")
     _choice(cfg.engine.serving, SERVINGS, "engine.serving")
     threads = cfg.engine.threads
@@ -179,7 +177,7 @@ def _check_owned_values(cfg: Any) -> None:
     for prefix, build in (("pipeline", lambda: SamplingParams(max_tokens=cfg.pipeline.max_tokens,
                                                                temperature=cfg.pipeline.temperature)),
                           ("retriever", lambda: PoolingParams(pooling=cfg.retriever.pooling)),
-                          ("engine", lambda: engine_config(cfg))):
+                          ("engine", lambda: engine_config_from(cfg))):
         try:
             build()
         except ValueError as exc:
@@ -193,7 +191,14 @@ def _check_serve(s: Any) -> None:
         raise ValueError(f"serve.port must be in [0, 65535], got {s.port}")
 
 
-def engine_config(cfg: Any):  # -> EngineConfig: the one engine, or each worker's of a deployment
+def build_engine(cfg: Any):  # -> Engine
+    """The engine the config describes (weights loaded): what `run`, `index` and `serve` all start from."""
+    from orthrus_rag.engine.engine import Engine
+
+    return Engine.from_config(engine_config_from(cfg))
+
+
+def engine_config_from(cfg: Any):  # -> EngineConfig: the one engine, or each worker's of a deployment
     """`cfg.model` and `cfg.engine` as an EngineConfig; every `engine.*` field but the app's own is an engine
     option by the same name (engine/options.py owns the names). Loads nothing."""
     from orthrus_rag.engine.options import engine_config as make

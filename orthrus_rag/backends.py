@@ -1,5 +1,5 @@
 """What serves a pipeline run (`engine.serving`): the one co-scheduled engine, or a two-process deployment, or
-(in the benchmarks) a peer such as vLLM. A `Backend` hands the pipeline a generator, embedders and the tokenizer
+(in the benchmarks) a peer such as vLLM. A `Backend` hands the pipeline a generation client, embedders and the tokenizer
 whose chat template renders prompts, so `app.run` is the same code for all of them."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ class Backend:
     """The interface; see `EngineBackend` and `ClientBackend`."""
 
     name: str
-    tokenizer: Any  # the generator's tokenizer (chat template)
+    tokenizer: Any  # the generation model's tokenizer (chat template)
     encoder_pooling: dict  # the separate embedding model's own pooling; {} when embeddings come from the backbone
 
     @property
-    def generator(self) -> Any:  # has `async generate(prompt, params)`
+    def client(self) -> Any:  # has `async generate(prompt, params)`: what a pipeline's generations go through
         raise NotImplementedError
 
     def embedder(self, document_params: PoolingParams, query_params: PoolingParams) -> Any:
@@ -68,7 +68,7 @@ class EngineBackend(Backend):
         self._steps: Any = None  # a StepAggregator from `start` on
 
     @property
-    def generator(self) -> Any:
+    def client(self) -> Any:
         return self.aengine
 
     @property
@@ -123,7 +123,7 @@ class ClientBackend(Backend):
         self.encoder_pooling = dict(encoder_pooling or {})
 
     @property
-    def generator(self) -> Any:
+    def client(self) -> Any:
         return self.bridge
 
     @property

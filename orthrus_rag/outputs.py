@@ -1,8 +1,9 @@
-"""What the engine hands back for each finished request."""
+"""What the engine hands back for each request: `EngineOutput` is any of them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +52,31 @@ class GenerationOutput:
 
 
 @dataclass
+class HandoffOutput:
+    """A generating request whose prompt is done, ready to continue on another engine (engine/handoff.py).
+
+    `kv` is (K, V), each [num_layers, num_tokens, num_kv_heads, head_dim] on the CPU, for the request's computed
+    tokens (the prompt; the last output token is not computed yet). `finished` is True because the engine that
+    returned it is done with it (its blocks are free); the request itself is not finished.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_text: str
+    kv: tuple[torch.Tensor, torch.Tensor]
+    sampling_params: Any  # SamplingParams
+    generator_state: torch.Tensor | None = None  # torch.Generator.get_state() of a seeded request
+    metrics: RequestMetrics | None = None
+    finished: bool = True
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, if asked for
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - 1
+
+
+@dataclass
 class EmbeddingOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -59,3 +85,14 @@ class EmbeddingOutput:
     metrics: RequestMetrics | None = None
     finished: bool = True
     error: str | None = None
+
+
+def error_output(kind: str, request_id: str, message: str) -> GenerationOutput | EmbeddingOutput:
+    """The final output of a request that failed as a whole (its step raised): finish_reason "error"."""
+    if kind == "embed":
+        return EmbeddingOutput(request_id, [], torch.empty(0), "error", error=message)
+    return GenerationOutput(request_id, [], [], message, "error")
+
+
+# what an engine step hands back: a generation (final, or a streaming snapshot), an embedding, or a handoff
+EngineOutput = GenerationOutput | EmbeddingOutput | HandoffOutput

@@ -65,7 +65,7 @@ class FakeEngine:
         self._lock = threading.Lock()
 
     def add_generate(self, prompt: str, params: Any = None, request_id: str | None = None,
-                     stream: bool = False) -> str:
+                     stream: bool = False, handoff: bool = False) -> str:
         question = _question(prompt)
         req = SimpleNamespace(prompt_token_ids=[1, 2, 3], output_token_ids=[], output_text="",
                               left=10**9 if "hang" in question else self.steps_per_request,
@@ -81,12 +81,17 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> GenerationOutput | None:
         with self._lock:
-            if self.requests.pop(request_id, None) is None:
-                return False
+            req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
         self.aborted.append(request_id)
-        return True
+        return GenerationOutput(request_id, req.prompt_token_ids, [], "", "abort")
+
+    def unfinished_request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self.requests)
 
     def step(self) -> list[GenerationOutput]:
         running = list(self.requests.items())[: self.max_num_seqs]

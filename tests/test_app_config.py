@@ -46,7 +46,7 @@ def test_typo_fails_at_compose_time():
     (["retriever.k=0"], "retriever.k must be at least 1"),
     (["retriever.k=-2"], "retriever.k must be at least 1"),
     (["pipeline.iterations=0"], "pipeline.iterations must be at least 1"),
-    (["engine.policy=fifo"], "unknown engine.policy 'fifo'"),
+    (["engine.policy=fifo"], "unknown scheduling policy 'fifo'"),
     (["engine.serving=ray"], "unknown engine.serving 'ray'"),
     (["engine=dedicated", "engine.threads=[1]"], "engine.threads must be two positive"),
     (["engine=disagg_pd", "engine.threads=[0,1]"], "engine.threads must be two positive"),

@@ -78,7 +78,7 @@ def test_abort_in_flight_frees_blocks_and_spares_others(engine):
             victim = asyncio.create_task(aeng.generate("A long prompt " * 20, LONG, request_id="victim"))
             got = await asyncio.gather(*(aeng.generate(p, SP) for p in others), aeng.embed("an embedding"))
             assert [o.token_ids for o in got[:2]] == want
-            await wait_for(lambda: len(engine.requests["victim"].output_token_ids) > 0)
+            await wait_for(lambda: len(engine.scheduler.requests["victim"].output_token_ids) > 0)
             assert engine.block_manager.num_used_blocks > 0
             assert await aeng.abort("victim")
             assert engine.block_manager.num_used_blocks == 0  # freed at once: the victim held all used blocks
@@ -180,7 +180,7 @@ def test_shutdown_fails_pending_and_leaves_no_thread(engine):
         async def consume():
             return [o async for o in aeng.generate_stream("Another long one", LONG)]
         stream = asyncio.create_task(consume())
-        await wait_for(lambda: len(engine.requests) == 2 and engine.block_manager.num_used_blocks > 0)
+        await wait_for(lambda: len(engine.scheduler.requests) == 2 and engine.block_manager.num_used_blocks > 0)
         assert engine_threads()
         await aeng.shutdown()
         assert not engine_threads()

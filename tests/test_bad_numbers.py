@@ -32,7 +32,7 @@ def test_a_failed_step_does_not_poison_run(engine, monkeypatch):
         engine.run(prompts=["Hello"], sampling_params=SamplingParams(max_tokens=2), texts=["a text"])
     monkeypatch.undo()
     # the failed call's requests are gone and their blocks free: the next call runs as if nothing happened
-    assert not engine.has_unfinished() and not engine.requests
+    assert not engine.has_unfinished() and not engine.scheduler.requests
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     out = engine.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))
     assert out[0].finish_reason in ("stop", "length") and out[0].token_ids

@@ -47,7 +47,7 @@ def prefill_then_decode(a: Engine, b: Engine, prompts: list, params: SamplingPar
     done = a.run_until_done()
     handoffs = [done[i] for i in ids]
     for rid in [b.add_prefilled(h) for h in handoffs]:
-        assert rid in b.requests
+        assert rid in b.scheduler.requests
     outs = b.run_until_done()
     return handoffs, [outs[i] for i in ids]
 

@@ -80,7 +80,7 @@ def test_single_chunk_embedding_needs_no_blocks(engine):
     assert sched.scheduled[0].req.block_table == []
     done = engine.scheduler.update_from_output(sched, engine.runner.execute(sched), 0.0)
     assert [r.req_id for r in done.finished] == [rid] and done.embeddings[rid].shape == (576,)
-    engine.requests.pop(rid)
+    assert rid not in engine.scheduler.requests  # the scheduler, the one registry, let it go
 
 
 def test_instruction_prefix_and_eos(engine, smol_tokenizer):

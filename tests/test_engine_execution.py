@@ -65,7 +65,7 @@ def test_embedding_preempted_between_chunks_gives_the_same_vector(engine):
         max_tokens=48, temperature=0.0, ignore_eos=True)) for i in range(2)]
     small.step()  # the generations run first, so the embedding is the newest request: the one preempted
     rid = small.add_embed(LONG_TEXT, params)
-    req = small.requests[rid]
+    req = small.scheduler.requests[rid]
     assert req.num_tokens > 2 * small.config.scheduler.max_chunk_tokens  # several chunks, KV between them
     results = small.run_until_done()
     assert req.num_preemptions > 0, "the embedding was never preempted: the test lost its point"
@@ -78,10 +78,10 @@ def test_embedding_aborted_between_chunks_frees_its_blocks(engine):
     rid = engine.add_embed(LONG_TEXT, PoolingParams())
     gen = engine.add_generate("The capital of France is", SP)
     engine.step()
-    req = engine.requests[rid]
+    req = engine.scheduler.requests[rid]
     assert 0 < req.num_computed_tokens < req.num_tokens and req.block_table  # mid-way, holding KV
     assert engine.abort(rid)
-    assert req.block_table == [] and rid not in engine.requests
+    assert req.block_table == [] and rid not in engine.scheduler.requests
     out = engine.run_until_done()
     assert len(out[gen].token_ids) == SP.max_tokens and rid not in out
 
@@ -91,7 +91,7 @@ def test_cancelled_embed_many_aborts_every_sibling_mid_chunk(engine):
         async with AsyncEngine(engine) as aeng:
             task = asyncio.ensure_future(aeng.embed_many([LONG_TEXT, LONG_TEXT + " again", "short"]))
             deadline = asyncio.get_running_loop().time() + 30
-            while not any(0 < r.num_computed_tokens < r.num_tokens for r in list(engine.requests.values())):
+            while not any(0 < r.num_computed_tokens < r.num_tokens for r in list(engine.scheduler.requests.values())):
                 assert asyncio.get_running_loop().time() < deadline, "no embedding went mid-chunk"
                 await asyncio.sleep(0.002)
             task.cancel()

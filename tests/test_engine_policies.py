@@ -25,7 +25,7 @@ def reference(smol_engine):
                            texts=TEXTS, pooling_params=PoolingParams(pooling="mean"))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_policy_gives_identical_results(policy, smol_engine, reference):
     sched = replace(smol_engine.config.scheduler, policy=policy, max_num_batched_tokens=48, max_chunk_tokens=16)
     engine = Engine(replace(smol_engine.config, scheduler=sched), smol_engine.runner.model, smol_engine.tokenizer)

@@ -37,7 +37,7 @@ def local(served):
     assert LocalOrthrus.of(engine) is shared  # every component on this engine shares one loop
     yield shared
     shared.close()
-    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_lcel_chain_puts_both_kinds_in_the_same_steps(local, retriever):
     async def main() -> list[str]:
         # a generation already decoding while the chain's queries embed: the product's whole point
         long = asyncio.ensure_future(chat.ainvoke("Count from 1 to 50.", max_tokens=24))
-        while not any(r.output_token_ids for r in list(engine.requests.values())) and not long.done():
+        while not any(r.output_token_ids for r in list(engine.scheduler.requests.values())) and not long.done():
             await asyncio.sleep(0.01)
         answers = await chain.abatch(QUESTIONS)
         await long

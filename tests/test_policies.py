@@ -170,7 +170,7 @@ def test_orthrus_split_follows_remaining_token_proportion(backlog: tuple[FakeEng
     raise AssertionError("workload did not finish")
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_finishes_a_mixed_backlog(policy):
     eng = _engine(policy, budget=32, chunk=16)
     reqs = [make_request(f"g{i}", "generate", 20 + 7 * i, max_tokens=5) for i in range(5)]

@@ -73,7 +73,7 @@ def workloads(draw: st.DrawFn) -> tuple[FakeEngine, list]:
     num_blocks = need + draw(st.integers(0, 3 * need))
     budget = draw(st.integers(1, 128))
     cfg = _cfg(budget, seqs=draw(st.integers(1, 8)), chunk=draw(st.integers(1, 2 * budget)),
-               weight=draw(st.sampled_from([0.1, 0.25, 1.0, 2.0])), policy=draw(st.sampled_from(POLICIES)))
+               weight=draw(st.sampled_from([0.1, 0.25, 1.0, 2.0])), policy=draw(st.sampled_from(list(POLICIES))))
     return FakeEngine(cfg, num_blocks, block_size), arrivals
 
 

@@ -33,11 +33,11 @@ def _wait_idle(served, timeout_s: float = 60.0) -> None:
     bm = served.engine.block_manager
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if served.aengine.num_pending == 0 and not served.engine.requests and bm.num_free_blocks == bm.num_blocks:
+        if served.aengine.num_pending == 0 and not served.engine.scheduler.requests and bm.num_free_blocks == bm.num_blocks:
             return
         time.sleep(0.05)
     raise AssertionError(f"not idle after {timeout_s} s: {served.aengine.num_pending} pending, "
-                         f"{len(served.engine.requests)} in the engine, {bm.num_free_blocks}/{bm.num_blocks} free")
+                         f"{len(served.engine.scheduler.requests)} in the engine, {bm.num_free_blocks}/{bm.num_blocks} free")
 
 
 def test_models_and_health(served, client):
@@ -387,6 +387,6 @@ def test_serve_command_refuses_bad_config_before_loading(overrides, message, tmp
     def no_model(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a model was loaded for a bad config")
 
-    monkeypatch.setattr("orthrus_rag.app.build_engine", no_model)
+    monkeypatch.setattr("orthrus_rag.app_config.build_engine", no_model)
     assert main(["serve", *overrides, f"run_dir={tmp_path}"]) == 2  # the console script exits with it
     assert message in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """An asyncio front end for the sync Engine: many coroutines share one engine owned by one background thread.
 
-The thread drains a thread-safe command queue (add, abort, stop), steps while work exists and hands results to
-the event loop with `call_soon_threadsafe`; futures, stream queues and the pending count live on the loop only.
+The thread is a thin shell around the engine's one `EngineLoop`: it drains a thread-safe command queue (add,
+abort, stop) into it, steps it while work exists and hands results to the event loop with
+`call_soon_threadsafe`; futures, stream queues and the pending count live on the event loop only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from orthrus_rag.engine.engine import Engine
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
+from orthrus_rag.engine.request import RequestKind
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
@@ -78,10 +81,30 @@ class _Sink:
         if self.queue is not None:
             self.queue.put_nowait(item)
         elif not self.future.done():  # NOTE: done when the awaiting caller was cancelled
+            if _is_abort(item):  # an awaiter of an aborted request gets RequestAborted, a stream its final output
+                item = RequestAborted(self.request_id)
             if isinstance(item, BaseException):
                 self.future.set_exception(item)
             else:
                 self.future.set_result(item)
+
+
+def _is_abort(item: Any) -> bool:
+    return getattr(item, "finish_reason", None) == "abort" and getattr(item, "finished", False)
+
+
+class _Outbox:
+    """The engine thread's side of one request's sink (an `EngineLoop` sink): results wait in the outbox until
+    the thread hands the batch to the event loop."""
+
+    def __init__(self, owner: "AsyncEngine", sink: _Sink) -> None:
+        self.owner, self.sink = owner, sink  # NOTE: the owner's outbox list is replaced at every flush
+
+    def put(self, output: Any) -> None:
+        self.owner._outbox.append((self.sink, output, output.finished))
+
+    def fail(self, exc: BaseException) -> None:
+        self.owner._outbox.append((self.sink, exc, True))
 
 
 class AsyncEngine:
@@ -98,7 +121,7 @@ class AsyncEngine:
         self._num_pending = 0  # event-loop side: submitted and not yet finished/failed
         self._ids = itertools.count()
         # engine-thread side
-        self._sinks: dict[str, _Sink] = {}
+        self._loop_core = EngineLoop(engine)
         self._outbox: list[tuple[_Sink, Any, bool]] = []
 
     @classmethod
@@ -121,7 +144,7 @@ class AsyncEngine:
     # ---- public API (event loop) ------------------------------------------------------------------------
     async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                     request_id: str | None = None) -> EmbeddingOutput:
-        sink = self._submit("embed", request_id, (text, params), stream=False)
+        sink = self._submit(RequestKind.EMBED, request_id, text, params, stream=False)
         out = await self._await(sink)
         if out.error is not None:
             raise RuntimeError(f"embedding {out.request_id} failed: {out.error}")
@@ -139,14 +162,14 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> GenerationOutput:
-        sink = self._submit("generate", request_id, (prompt, params, False), stream=False)
+        sink = self._submit(RequestKind.GENERATE, request_id, prompt, params, stream=False)
         return await self._await(sink)
 
     async def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                               request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
         """Yield growing snapshots; the last has `finished=True` (finish_reason "abort" if aborted). Leaving
         the loop early (break, cancellation) aborts the request."""
-        sink = self._submit("generate", request_id, (prompt, params, True), stream=True)
+        sink = self._submit(RequestKind.GENERATE, request_id, prompt, params, stream=True)
         done = False
         try:
             while not done:
@@ -200,16 +223,16 @@ class AsyncEngine:
         elif loop is not self._loop:
             raise RuntimeError("AsyncEngine is bound to another event loop")
 
-    def _submit(self, kind: str, request_id: str | None, args: tuple, stream: bool) -> _Sink:
+    def _submit(self, kind: RequestKind, request_id: str | None, input: Any, params: Any, stream: bool) -> _Sink:
         if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
         if self._num_pending >= self.max_pending:
             raise EngineQueueFull(f"{self._num_pending} requests are pending; the limit is {self.max_pending}")
-        rid = request_id or f"async-{kind}-{next(self._ids)}"
+        rid = request_id or f"async-{kind.value}-{next(self._ids)}"
         sink = _Sink(rid, queue=_Snapshots()) if stream else _Sink(rid, future=self._loop.create_future())
         self._num_pending += 1
-        self._commands.put(("add", kind, args, sink))
+        self._commands.put(("add", kind, rid, input, params, stream, sink))
         return sink
 
     async def _await(self, sink: _Sink) -> Any:
@@ -225,20 +248,21 @@ class AsyncEngine:
             sink.put(item)
             self._num_pending -= int(final)
 
-    # ---- engine thread ----------------------------------------------------------------------------------
+    # ---- engine thread: a thin shell around the one EngineLoop -----------------------------------------------
     def _run(self) -> None:
         cmds: list[tuple] = []
         try:
             while True:
                 # NOTE: block when idle (no busy spin); otherwise take whatever arrived and step
-                cmds = self._drain([] if self._engine.has_unfinished() else [self._commands.get()])
+                cmds = self._drain([] if self._loop_core.has_work else [self._commands.get()])
                 if any(cmd[0] == "stop" for cmd in cmds):
                     break
                 for cmd in cmds:
                     self._handle(cmd)
                 cmds = []
-                if self._engine.has_unfinished():
-                    self._step()
+                if self._loop_core.has_work:
+                    with contextlib.suppress(StepFailed):  # NOTE: its requests failed with the cause; serve on
+                        self._loop_core.run_step()
                 self._flush()
         except Exception:  # NOTE: e.g. the event loop closed under us; don't leave callers or blocks behind
             logger.exception("async engine loop failed")
@@ -254,51 +278,15 @@ class AsyncEngine:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
-            ok = self._abort(cmd[1])
+            ok = self._loop_core.abort(cmd[1])
             if cmd[2] is not None:
                 self._outbox.append((_Sink("", future=cmd[2]), ok, False))
             return
-        _, kind, args, sink = cmd
+        _, kind, rid, input, params, stream, sink = cmd
         try:
-            if kind == "embed":
-                self._engine.add_embed(*args, request_id=sink.request_id)
-            else:
-                prompt, params, stream = args
-                self._engine.add_generate(prompt, params, request_id=sink.request_id, stream=stream)
+            self._loop_core.add(kind, rid, input, params, _Outbox(self, sink), stream=stream)
         except Exception as exc:  # bad input: never reaches a step
             self._outbox.append((sink, exc, True))
-            return
-        self._sinks[sink.request_id] = sink
-
-    def _abort(self, rid: str) -> bool:
-        req = self._engine.requests.get(rid)
-        if not self._engine.abort(rid):
-            return False
-        sink = self._sinks.pop(rid, None)
-        if sink is not None:  # a stream ends with a finished "abort" output; an awaiter gets RequestAborted
-            out = GenerationOutput(rid, req.prompt_token_ids, list(req.output_token_ids), req.output_text, "abort")
-            self._outbox.append((sink, out if sink.queue is not None else RequestAborted(rid), True))
-        return True
-
-    def _step(self) -> None:
-        try:
-            outputs = self._engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing %d in-flight requests", len(self._sinks))
-            self._fail_all(exc)
-            return
-        for out in outputs:
-            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-            if sink is not None:
-                self._outbox.append((sink, out, out.finished))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        """Abort every request in the engine (freeing its blocks) and fail its caller with `exc`."""
-        for rid in list(self._engine.requests):
-            self._engine.abort(rid)
-        for sink in self._sinks.values():
-            self._outbox.append((sink, exc, True))
-        self._sinks.clear()
 
     def _flush(self) -> None:
         if self._outbox:
@@ -308,13 +296,15 @@ class AsyncEngine:
     def _close(self, cmds: list[tuple]) -> None:
         """Fail everything still unfinished or queued, free the engine's blocks and signal the event loop."""
         err = EngineShutdown("AsyncEngine was shut down before the request finished")
-        self._fail_all(err)
+        try:
+            self._loop_core.fail_all(err)
+        except Exception:  # NOTE: still signal the event loop below, or every caller would wait forever
+            logger.exception("failing the pending requests at shutdown failed")
         for cmd in self._drain(cmds):
             if cmd[0] == "add":
-                self._outbox.append((cmd[3], err, True))
+                self._outbox.append((cmd[-1], err, True))
             elif cmd[0] == "abort" and cmd[2] is not None:
                 self._outbox.append((_Sink("", future=cmd[2]), False, False))
         self._outbox.append((_Sink("", future=self._stopped), None, False))
-        with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed already: nobody to tell
+        with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed under us: nobody to tell
             self._flush()
-

@@ -21,8 +21,9 @@ from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.block_manager import BlockManager
 from orthrus_rag.engine.calibration import calibrate
 from orthrus_rag.engine.detokenizer import stream_text, update_output
-from orthrus_rag.engine.handoff import HandoffOutput, restore_generator
+from orthrus_rag.engine.handoff import restore_generator
 from orthrus_rag.engine.input_processor import InputProcessor
+from orthrus_rag.engine.loop import EngineLoop
 from orthrus_rag.engine.prefix_cache import PrefixCachingBlockManager
 from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.routing import EmbeddingRoute, route_embedding
@@ -31,11 +32,10 @@ from orthrus_rag.engine.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.stats import StepStats
 from orthrus_rag.engine.step_cost import StepCostModel
 from orthrus_rag.layers.sampler import make_generator
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, RequestMetrics
+from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput, HandoffOutput, RequestMetrics
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
-Output = GenerationOutput | EmbeddingOutput | HandoffOutput
 
 
 class Engine:
@@ -69,7 +69,6 @@ class Engine:
             tokenizer, hf.vocab_size, max_len, num_blocks * cache.block_size, encoder_tokenizer,
             encoder.config.vocab_size if encoder is not None else 0,
             getattr(encoder, "max_seq_length", encoder.max_position_embeddings) if encoder is not None else 0)
-        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)  # bounded: long-lived servers
@@ -90,7 +89,7 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> "Engine":
         """Load the weights `config` names and build the engine (the one way every caller builds one)."""
         from orthrus_rag.engine.loading import load_models
-        from orthrus_rag.engine.options import check_policy
+        from orthrus_rag.engine.policies import check_policy
 
         check_policy(config.scheduler.policy)  # NOTE: before any weights load
         loaded = load_models(config)
@@ -109,7 +108,7 @@ class Engine:
         params = params or SamplingParams()
         ids = self.inputs.prompt(prompt)
         req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
-                      generator=make_generator(params.seed, self.config.model.device), stream=stream,
+                      rng=make_generator(params.seed, self.config.model.device), stream=stream,
                       handoff=handoff)
         return self._add(req)
 
@@ -123,12 +122,12 @@ class Engine:
         req = Request(request_id or handoff.request_id, RequestKind.GENERATE, prompt,
                       sampling_params=handoff.sampling_params, output_token_ids=list(handoff.output_token_ids),
                       output_text=handoff.output_text, output_logprobs=list(handoff.output_logprobs),
-                      generator=restore_generator(handoff.generator_state, self.config.model.device))
+                      rng=restore_generator(handoff.generator_state, self.config.model.device))
         if handoff.metrics is not None:
             req.arrival_time = handoff.metrics.arrival_time
             req.first_scheduled_time = handoff.metrics.first_scheduled_time
             req.first_token_time = handoff.metrics.first_token_time
-        if req.req_id in self.requests:
+        if req.req_id in self.scheduler.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         req.num_computed_tokens = handoff.num_computed_tokens
         if not self.scheduler.reserve_blocks(req):
@@ -140,7 +139,6 @@ class Engine:
         except ValueError:
             self.scheduler.remove(req)
             raise
-        self.requests[req.req_id] = req
         self.scheduler.add_running(req)
         return req.req_id
 
@@ -178,24 +176,30 @@ class Engine:
         return int(self.runner.model.config.hidden_size)
 
     def _add(self, req: Request) -> str:
-        if req.req_id in self.requests:
-            raise ValueError(f"request id {req.req_id!r} is already in use")
-        self.requests[req.req_id] = req
-        self.scheduler.add(req)
+        self.scheduler.add(req)  # NOTE: refuses an id already in use
         return req.req_id
 
-    def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Abort an unfinished request (its blocks freed at once); its final output, finish_reason "abort" (an
+        embedding's is empty), or None if it is unknown or already finished."""
+        req = self.scheduler.requests.get(request_id)
         if req is None:
-            return False
+            return None
         self.scheduler.finish(req, "abort", time.monotonic(), RequestStatus.ABORTED)
-        return True
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)
+        if req.is_embed:
+            return EmbeddingOutput(req.req_id, req.prompt_token_ids, torch.empty(0), "abort", metrics)
+        return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text, "abort",
+                                metrics)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Output]:
+    def step(self) -> list[EngineOutput]:
         """Run one engine step; returns the outputs of requests that finished in it (and streaming snapshots)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -219,9 +223,8 @@ class Engine:
         self.num_steps += 1
         return outputs
 
-    def _output(self, req: Request, done: StepResult) -> Output:
+    def _output(self, req: Request, done: StepResult) -> EngineOutput:
         """The output of a request the scheduler finished this step."""
-        self.requests.pop(req.req_id, None)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)
         if req.is_embed:
             if req.req_id in done.errors:
@@ -236,26 +239,21 @@ class Engine:
         """Stop `req` after its first token: copy its KV out, free its blocks, return what another engine needs."""
         kv = self.runner.read_kv(req)
         self.scheduler.release(req, time.monotonic())
-        self.requests.pop(req.req_id, None)
         assert req.sampling_params is not None
         return HandoffOutput(
             req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text, kv, req.sampling_params,
-            req.generator.get_state() if req.generator is not None else None,
+            req.rng.get_state() if req.rng is not None else None,
             RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, None),
             output_logprobs=list(req.output_logprobs))
 
-    def run_until_done(self, max_steps: int | None = None) -> dict[str, Output]:
-        """Step until every request finished; bounded by `max_steps` (default: enough for every token)."""
+    def run_until_done(self, max_steps: int | None = None) -> dict[str, EngineOutput]:
+        """The engine loop run to empty: step until every request finished; bounded by `max_steps` (default:
+        enough for every token)."""
         limit = max_steps if max_steps is not None else 10 + sum(
-            r.num_tokens + (r.sampling_params.max_tokens if r.sampling_params else 0) for r in self.requests.values()
-        ) * 4
-        outputs: dict[str, Output] = {}
-        for _ in range(limit):
-            if not self.has_unfinished():
-                return outputs
-            outputs.update((o.request_id, o) for o in self.step() if o.finished)
-        if self.has_unfinished():
-            raise RuntimeError(f"requests unfinished after {limit} steps")
+            r.num_tokens + (r.sampling_params.max_tokens if r.sampling_params else 0)
+            for r in self.scheduler.requests.values()) * 4
+        outputs: dict[str, EngineOutput] = {}
+        EngineLoop(self, orphan=lambda o: outputs.update({o.request_id: o} if o.finished else {})).run_until_done(limit)
         return outputs
 
     # ---- convenience APIs -------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 an `EngineConfig`. `Engine.from_pretrained`, the app, the server, the deployments and the benchmark harness all
 build their config here, so a new engine setting needs no edit anywhere else.
 
-It also checks the policy name where the policies live (not in config.py: config must not import upward)."""
+The policy name is checked by the policy registry (engine/policies.py), the one owner of policy names."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from orthrus_rag.engine.policies import POLICIES
+from orthrus_rag.engine.policies import check_policy
 
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 
@@ -37,11 +37,6 @@ def engine_config(model: str = "smollm2-135m-instruct", embedding_adapters: str 
     config = EngineConfig(**parts, **top)
     check_policy(config.scheduler.policy)
     return config
-
-
-def check_policy(name: str) -> None:
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduling policy {name!r}; expected one of {', '.join(POLICIES)}")
 
 
 def parse_option(text: str) -> tuple[str, Any]:

@@ -9,15 +9,26 @@ cap. The scheduler fills the lanes in order, then hands any budget still left to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.request import Request
 
-if TYPE_CHECKING:
-    from orthrus_rag.engine.scheduler import Scheduler
 
-POLICIES = ("orthrus", "qlen-priority", "hetero-fcfs", "unified-homo")
+class SchedulerView(Protocol):
+    """What a policy reads of the scheduler, and all it may: read-only (so policies never import the scheduler)."""
+
+    config: SchedulerConfig
+    running: list[Request]
+    waiting: Sequence[Request]
+
+    def pending(self, embed: bool) -> list[Request]:
+        """Requests of one kind still to schedule: in-flight chunked ones first, then waiting ones."""
+
+    def remaining_cost(self, reqs: list[Request]) -> int:
+        """Budget tokens `reqs` still need."""
 
 
 @dataclass
@@ -30,19 +41,19 @@ class Policy(Protocol):
     name: str
     sizes_steps_by_cost: bool  # steps with decodes sized by predicted time (engine/step_cost.py), not tokens only
 
-    def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
+    def step_kinds(self, sched: SchedulerView) -> tuple[bool, bool]:
         """(embedding work allowed, generation work allowed) this step."""
 
-    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
         """Candidate lists with caps, filled in order (kinds not allowed this step are skipped)."""
 
-    def fallback(self, sched: "Scheduler") -> list[Request]:
+    def fallback(self, sched: SchedulerView) -> list[Request]:
         """Who may use budget the lanes left over."""
 
-    def reserved_seqs(self, sched: "Scheduler") -> int:
+    def reserved_seqs(self, sched: SchedulerView) -> int:
         """Sequence slots (of max_num_seqs) that running decodes may not take this step."""
 
-    def step_cap(self, sched: "Scheduler", cap: int, used: int) -> int:
+    def step_cap(self, sched: SchedulerView, cap: int, used: int) -> int:
         """This step's budget once its decodes (`used` budget tokens) are in, given the scheduler's `cap`."""
 
 
@@ -53,7 +64,7 @@ def _interleave(a: list[Request], b: list[Request]) -> list[Request]:
     return out
 
 
-def _urgent(sched: "Scheduler") -> list[Request]:
+def _urgent(sched: SchedulerView) -> list[Request]:
     """Pending latency-critical work (priority < 0), embeddings first."""
     return [r for r in sched.pending(embed=True) + sched.pending(embed=False) if r.priority < 0]
 
@@ -62,16 +73,16 @@ class _Base:
     name = "base"
     sizes_steps_by_cost = False  # NOTE: the baselines keep their published rule, a fixed token budget
 
-    def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
+    def step_kinds(self, sched: SchedulerView) -> tuple[bool, bool]:
         return True, True
 
-    def fallback(self, sched: "Scheduler") -> list[Request]:
+    def fallback(self, sched: SchedulerView) -> list[Request]:
         return _interleave(sched.pending(embed=True), sched.pending(embed=False))
 
-    def reserved_seqs(self, sched: "Scheduler") -> int:
+    def reserved_seqs(self, sched: SchedulerView) -> int:
         return 0
 
-    def step_cap(self, sched: "Scheduler", cap: int, used: int) -> int:
+    def step_cap(self, sched: SchedulerView, cap: int, used: int) -> int:
         return cap
 
 
@@ -87,7 +98,7 @@ class OrthrusPolicy(_Base):
         self.min_share = min_share
         self._carry = 0.0  # fractional embedding tokens owed from earlier steps
 
-    def reserved_seqs(self, sched: "Scheduler") -> int:
+    def reserved_seqs(self, sched: SchedulerView) -> int:
         # NOTE: measured on 2Wiki Iter-RetGen (200 questions at once): with every sequence slot held by decodes,
         # query embeddings waited behind the whole prompt backlog (retrieval p95 636 s). min_share also
         # guards the slots, not only the tokens.
@@ -96,7 +107,7 @@ class OrthrusPolicy(_Base):
         wanted = len(sched.pending(embed=True))
         return min(math.ceil(self.min_share * sched.config.max_num_seqs), wanted, sched.config.max_num_seqs - 1)
 
-    def step_cap(self, sched: "Scheduler", cap: int, used: int) -> int:
+    def step_cap(self, sched: SchedulerView, cap: int, used: int) -> int:
         urgent = _urgent(sched)
         if not urgent:
             return cap
@@ -107,7 +118,7 @@ class OrthrusPolicy(_Base):
         floor = math.ceil(self.min_share * sched.config.max_num_batched_tokens)
         return min(cap, used + sched.remaining_cost(urgent) + floor)
 
-    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
         # NOTE: latency-critical work (priority < 0: e.g. the query a multi-hop chain waits on) first; a 30-token
         # query would otherwise get a sliver of the split beside 1,000-token prompts
@@ -139,7 +150,7 @@ class QueueLengthPriorityPolicy(_Base):
     def __init__(self, embed_priority: float = 1.0, generate_priority: float = 4.0) -> None:
         self.embed_priority, self.generate_priority = embed_priority, generate_priority
 
-    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
         lanes = [Lane(embed, residual), Lane(prefill, residual)]
         if len(prefill) * self.generate_priority > len(embed) * self.embed_priority:
@@ -152,11 +163,11 @@ class HeteroFCFSPolicy(_Base):
 
     name = "hetero-fcfs"
 
-    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
         inflight = [r for r in sched.running if not r.is_decoding]
         return [Lane(inflight + list(sched.waiting), residual)]  # waiting is in arrival order
 
-    def fallback(self, sched: "Scheduler") -> list[Request]:
+    def fallback(self, sched: SchedulerView) -> list[Request]:
         return []
 
 
@@ -169,28 +180,36 @@ class UnifiedHomoPolicy(_Base):
     def __init__(self) -> None:
         self._last_embed = False
 
-    def step_kinds(self, sched: "Scheduler") -> tuple[bool, bool]:
+    def step_kinds(self, sched: SchedulerView) -> tuple[bool, bool]:
         has_e = bool(sched.pending(embed=True))
         has_g = bool(sched.pending(embed=False)) or any(r.is_decoding for r in sched.running)
         embed = has_e and (not has_g or not self._last_embed)
         self._last_embed = embed
         return embed, not embed
 
-    def lanes(self, sched: "Scheduler", residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
         # the scheduler drops the kind that this step does not allow
         return [Lane(sched.pending(embed=True), residual), Lane(sched.pending(embed=False), residual)]
 
-    def fallback(self, sched: "Scheduler") -> list[Request]:
+    def fallback(self, sched: SchedulerView) -> list[Request]:
         return []
 
 
+# the policy registry: name -> a maker given `min_share` (the one list of names; checked here only)
+POLICIES: dict[str, Callable[[float], Policy]] = {
+    "orthrus": OrthrusPolicy,
+    "qlen-priority": lambda min_share: QueueLengthPriorityPolicy(),
+    "hetero-fcfs": lambda min_share: HeteroFCFSPolicy(),
+    "unified-homo": lambda min_share: UnifiedHomoPolicy(),
+}
+
+
+def check_policy(name: str) -> None:
+    """ValueError naming the policies for an unknown name (before any weights load)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; expected one of {', '.join(POLICIES)}")
+
+
 def make_policy(name: str, min_share: float = 0.1) -> Policy:
-    if name == "orthrus":
-        return OrthrusPolicy(min_share)
-    if name == "qlen-priority":
-        return QueueLengthPriorityPolicy()
-    if name == "hetero-fcfs":
-        return HeteroFCFSPolicy()
-    if name == "unified-homo":
-        return UnifiedHomoPolicy()
-    raise ValueError(f"unknown scheduling policy {name!r}; expected one of {', '.join(POLICIES)}")
+    check_policy(name)
+    return POLICIES[name](min_share)

@@ -53,7 +53,7 @@ class Request:
     num_registered_blocks: int = 0
     # runtime state owned by the runner (pooler accumulators, RNG); opaque to the scheduler
     pooler_state: Any = None
-    generator: Any = None
+    rng: Any = None  # a seeded request's torch.Generator (sampling); None: the global RNG
     output_text: str = ""
     # timing, filled by the engine
     first_scheduled_time: float | None = None

@@ -157,7 +157,7 @@ class ModelRunner:
         if sample_reqs:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            sampled = self.sampler(logits, [r.sampling_params for r in sample_reqs], [r.generator for r in sample_reqs])
+            sampled = self.sampler(logits, [r.sampling_params for r in sample_reqs], [r.rng for r in sample_reqs])
             tokens = sampled.tolist()
             out.sampled.update((r.req_id, tok) for r, tok in zip(sample_reqs, tokens))
             self._logprobs(logits, sampled, sample_reqs, out)

@@ -81,9 +81,17 @@ class Scheduler:
         self._pending: dict[bool, list[Request]] | None = None  # pending() snapshots while a step is scheduled
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # started decoder requests, oldest first
+        # every unfinished request by id: the one registry of request state (waiting, running, handed off)
+        self.requests: dict[str, Request] = {}
 
     def add(self, req: Request) -> None:
+        self._register(req)
         self.waiting.append(req)
+
+    def _register(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
 
     def reserve_blocks(self, req: Request) -> bool:
         """Blocks for the tokens `req` already has computed elsewhere (a handed-over request), if free."""
@@ -97,6 +105,7 @@ class Scheduler:
         to the running list: it gets one token per step from the next step on."""
         assert req.is_decoding, "add_running() takes a request with only its last sampled token to compute"
         assert len(req.block_table) * self.block_manager.block_size >= req.num_computed_tokens, "KV without blocks"
+        self._register(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -105,6 +114,7 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request and return its blocks."""
+        self.requests.pop(req.req_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

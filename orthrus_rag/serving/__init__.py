@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (`orthrus-rag serve`): embeddings, completions and chat from any client meet
 in the steps of one engine; Prometheus metrics at /metrics."""
 
-from orthrus_rag.serving.app import build_app
+from orthrus_rag.serving.api import build_app
 from orthrus_rag.serving.server import ServerThread, serve
 from orthrus_rag.serving.service import OpenAIService
 

@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 
 from orthrus_rag.engine.async_engine import AsyncEngine
-from orthrus_rag.serving.app import build_app
+from orthrus_rag.serving.api import build_app
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "ORTHRUS_API_KEY"
@@ -26,8 +26,7 @@ def resolve_api_key(api_key: str | None) -> str | None:
 
 def serve(cfg: Any) -> None:
     """`orthrus-rag serve`: build the engine from the composed config and serve it until interrupted."""
-    from orthrus_rag.app import build_engine
-    from orthrus_rag.app_config import validate
+    from orthrus_rag.app_config import build_engine, validate
 
     validate(cfg)
     s = cfg.serve

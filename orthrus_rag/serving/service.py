@@ -1,6 +1,6 @@
 """`OpenAIService`: the OpenAI API's semantics over one `AsyncEngine`, shared by every endpoint and caller.
 
-The HTTP routes (serving/app.py) and the in-process LangChain components both call it, so there is one owner of
+The HTTP routes (serving/api.py) and the in-process LangChain components both call it, so there is one owner of
 what `n`, `stop`, `seed`, `max_tokens`, the chat template and `encoding_format` mean. It runs on the event loop
 the AsyncEngine is bound to; every failure is an `OpenAIError` with the status and message a caller sees."""
 

@@ -26,11 +26,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from orthrus_rag.engine.deploy.spec import WorkerError
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
-Output = GenerationOutput | EmbeddingOutput
 
 
 class RequestFailed(RuntimeError):
@@ -165,7 +164,7 @@ class ClientBridge:
                 raise
             self._in_flight[rid] = future
 
-    def _resolve(self, out: Output) -> None:
+    def _resolve(self, out: EngineOutput) -> None:
         future = self._in_flight.pop(out.request_id, None)
         if future is None:
             logger.warning("an output for unknown request %s was dropped", out.request_id)
@@ -205,7 +204,7 @@ class ClientBridge:
         self.shutdown()
 
 
-def _error_of(out: Output) -> str | None:
+def _error_of(out: EngineOutput) -> str | None:
     if isinstance(out, EmbeddingOutput):
         return out.error or ("pooling failed" if out.finish_reason == "error" else None)
     if out.finish_reason == "error":

@@ -8,18 +8,21 @@ Every system of the same engine is driven through it, so a benchmark measures th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from orthrus_rag.config import EngineConfig
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
+from orthrus_rag.engine.request import RequestKind
 from orthrus_rag.engine.deploy.deployments import DEPLOYMENTS
 from orthrus_rag.engine.deploy.spec import build_engine_for
 from orthrus_rag.engine.policies import POLICIES
 from orthrus_rag.engine.stats import StepStats
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.outputs import EngineOutput, error_output
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -27,8 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 Kind = Literal["embed", "generate"]
-Output = GenerationOutput | EmbeddingOutput
-IN_PROCESS_SYSTEMS = POLICIES  # one engine, the policy decides
+IN_PROCESS_SYSTEMS = tuple(POLICIES)  # one engine, the policy decides
 SYSTEMS = (*POLICIES, *DEPLOYMENTS)  # + "dedicated", "disagg-pd"
 
 
@@ -40,7 +42,7 @@ class ServingClient(Protocol):
         """Queue one request; returns at once."""
         ...
 
-    def poll(self, timeout_s: float) -> list[Output]:
+    def poll(self, timeout_s: float) -> list[EngineOutput]:
         """Finished outputs since the last poll (possibly none); waits at most about `timeout_s` when idle."""
         ...
 
@@ -50,39 +52,50 @@ class ServingClient(Protocol):
 
 
 class InProcessClient:
-    """An `Engine` driven from the caller's thread: `poll` runs one engine step when work exists.
+    """An `Engine` driven from the caller's thread through its `EngineLoop`: `poll` runs one step when work
+    exists. A step that raises fails every request in flight: each comes back as an error output.
 
     `step_log` keeps (monotonic end time, StepStats) of every step it ran: the per-step token mix over time."""
 
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
+        self.loop = EngineLoop(engine)
         self.step_log: list[tuple[float, StepStats]] = []
+        self._done: list[EngineOutput] = []
 
     def submit(self, kind: Kind, request_id: str, input: str | Sequence[int],
                params: SamplingParams | PoolingParams | None) -> None:
-        if kind == "generate":
-            assert params is None or isinstance(params, SamplingParams)
-            self.engine.add_generate(input, params, request_id)
-        elif kind == "embed":
-            assert params is None or isinstance(params, PoolingParams)
-            self.engine.add_embed(input, params, request_id)
-        else:
-            raise ValueError(f"unknown request kind {kind!r}; expected 'embed' or 'generate'")
+        self.loop.add(RequestKind(kind), request_id, input, params, _RequestSink(self, kind, request_id))
 
-    def poll(self, timeout_s: float) -> list[Output]:
-        if not self.engine.has_unfinished():
+    def poll(self, timeout_s: float) -> list[EngineOutput]:
+        if self.loop.has_work:
+            num_steps = self.engine.num_steps
+            with contextlib.suppress(StepFailed):  # NOTE: its requests come back as error outputs
+                self.loop.run_step()
+            if self.engine.num_steps > num_steps:
+                self.step_log.append((time.monotonic(), self.engine.step_stats[-1]))
+        elif not self._done:
             time.sleep(max(0.0, timeout_s))
-            return []
-        num_steps = self.engine.num_steps
-        outputs = self.engine.step()
-        if self.engine.num_steps > num_steps:
-            self.step_log.append((time.monotonic(), self.engine.step_stats[-1]))
-        return [o for o in outputs if o.finished and isinstance(o, (GenerationOutput, EmbeddingOutput))]
+        done, self._done = self._done, []
+        return done
 
     def shutdown(self) -> None:
-        for rid in list(self.engine.requests):
-            self.engine.abort(rid)
+        self.loop.fail_all(RuntimeError("the client was shut down"))
         self.engine.shutdown()
+
+
+class _RequestSink:
+    """One request's `EngineLoop` sink: its final output, or an error output naming why it failed."""
+
+    def __init__(self, client: InProcessClient, kind: str, request_id: str) -> None:
+        self.client, self.kind, self.request_id = client, kind, request_id  # NOTE: poll replaces client._done
+
+    def put(self, output: Any) -> None:
+        if output.finished:
+            self.client._done.append(output)
+
+    def fail(self, exc: BaseException) -> None:
+        self.client._done.append(error_output(self.kind, self.request_id, f"{type(exc).__name__}: {exc}"))
 
 
 def make_client(system: str, config: EngineConfig, threads: int | Sequence[int] | None = None) -> ServingClient:

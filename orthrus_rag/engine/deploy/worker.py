@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.engine.engine import Engine, Output
-from orthrus_rag.engine.handoff import HandoffOutput
 from orthrus_rag.engine.deploy.spec import WorkItem, build_engine_for, dumps, loads
-from orthrus_rag.outputs import EmbeddingOutput
+from orthrus_rag.engine.engine import Engine
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
+from orthrus_rag.engine.request import RequestKind
+from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, HandoffOutput, error_output
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.5  # how often an idle worker checks that its parent is still alive
@@ -50,24 +51,29 @@ def worker_main(config: EngineConfig, role: str, num_threads: int, inbox: Any, r
 
 
 class _Worker:
+    """A thin shell around the engine's `EngineLoop`: messages in, outputs out. A step that raises fails every
+    request it held (each comes back as an error output naming the cause) and the worker serves on."""
+
     def __init__(self, engine: Engine, role: str, inbox: Any, results: Any, handoff_to: Any) -> None:
         self.engine = engine
+        self.loop = EngineLoop(engine)
         self.role = role
         self.inbox = inbox
         self.results = results
         self.handoff_to = handoff_to
-        self.tags: dict[str, tuple[int, int]] = {}  # request id -> (batch, index in the caller's list)
+        self.outgoing: dict[int, list[tuple[int, EngineOutput]]] = defaultdict(list)  # batch -> (index, output)
         self._last_parent_check = time.monotonic()
 
     def serve(self) -> None:
         """Receive, add, step while work exists, send finished outputs back; ends on `stop` or parent exit."""
         while True:
-            for msg in self._receive(block=not self.engine.has_unfinished()):
+            for msg in self._receive(block=not self.loop.has_work):
                 if msg[0] == "stop":
                     return
                 self._handle(msg)
-            if self.engine.has_unfinished():
+            if self.loop.has_work:
                 self._step()
+            self._send()
 
     def _receive(self, block: bool) -> list[tuple]:
         msgs: list[tuple] = []
@@ -92,55 +98,73 @@ class _Worker:
         if tag == "submit":
             self._submit(msg[1], msg[2])
         elif tag == "abort":
-            for rid, (batch, _) in list(self.tags.items()):
-                if batch == msg[1]:
-                    self.engine.abort(rid)
-                    del self.tags[rid]
+            for rid, sink in list(self.loop.sinks.items()):
+                if sink.batch == msg[1]:
+                    sink.silent = True  # NOTE: the caller gave this batch up; nothing of it goes back
+                    self.loop.abort(rid)
         elif tag == "handoff":
             _, batch, index, handoff = msg
-            self.tags[self.engine.add_prefilled(handoff)] = (batch, index)
+            self.loop.add_prefilled(handoff, _Sink(self, batch, index, "generate", handoff.request_id))
         else:
             raise ValueError(f"unknown message {tag!r}")
 
     def _submit(self, batch: int, items: list[WorkItem]) -> None:
         """Add every item or none (like Engine.run: bad input is rejected before anything runs)."""
-        added: list[str] = []
+        handoff = self.handoff_to is not None
         try:
-            for item in items:
-                if item.kind == "generate":
-                    rid = self.engine.add_generate(item.input, item.params, item.request_id,
-                                                   handoff=self.handoff_to is not None)
-                else:
-                    rid = self.engine.add_embed(item.input, item.params, item.request_id)
-                added.append(rid)
+            for item in items:  # NOTE: one sink per item; add_all's all-or-none covers them together
+                self.loop.add(RequestKind(item.kind), item.request_id, item.input, item.params,
+                              _Sink(self, batch, item.index, item.kind, item.request_id),
+                              handoff=handoff and item.kind == "generate")
         except (ValueError, TypeError) as exc:
-            for rid in added:
-                self.engine.abort(rid)
+            for item in items:
+                sink = self.loop.sinks.get(item.request_id)
+                if sink is not None and sink.batch == batch:
+                    sink.silent = True
+                    self.loop.abort(item.request_id)
             self.results.put(dumps(("rejected", self.role, batch, f"{type(exc).__name__}: {exc}")))
             return
-        self.tags.update((item.request_id, (batch, item.index)) for item in items)
         self.results.put(dumps(("accepted", self.role, batch, None)))
 
     def _step(self) -> None:
         num_steps = self.engine.num_steps
-        outputs = self.engine.step()
+        try:
+            self.loop.run_step()
+        except StepFailed:  # NOTE: its requests got error outputs naming the cause (sent below); serve on
+            return
         if self.engine.num_steps == num_steps:
-            raise RuntimeError(f"{self.role} engine stalled: {len(self.engine.requests)} unfinished requests, "
-                               "none schedulable")
-        by_batch: dict[int, list[tuple[int, Output]]] = defaultdict(list)
-        for out in outputs:
-            if not out.finished:
-                continue
-            batch, index = self.tags.pop(out.request_id)
-            if isinstance(out, HandoffOutput):
-                self.handoff_to.put(dumps(("handoff", batch, index, out)))
-            else:
-                by_batch[batch].append((index, _compact(out)))
-        for batch, items in by_batch.items():
+            raise RuntimeError(f"{self.role} engine stalled: {len(self.engine.unfinished_request_ids())} "
+                               "unfinished requests, none schedulable")
+
+    def _send(self) -> None:
+        for batch, items in self.outgoing.items():
             self.results.put(dumps(("outputs", self.role, batch, items)))
+        self.outgoing.clear()
 
 
-def _compact(out: Output) -> Output:
+class _Sink:
+    """One request's `EngineLoop` sink in a worker: its final output goes back to the caller (`batch`, `index`),
+    a handoff to the decode worker, a failure as an error output."""
+
+    def __init__(self, worker: _Worker, batch: int, index: int, kind: str, request_id: str) -> None:
+        self.worker, self.batch, self.index, self.kind, self.request_id = worker, batch, index, kind, request_id
+        self.silent = False
+
+    def put(self, output: EngineOutput) -> None:
+        if not output.finished or self.silent:
+            return
+        if isinstance(output, HandoffOutput):
+            self.worker.handoff_to.put(dumps(("handoff", self.batch, self.index, output)))
+        else:
+            self.worker.outgoing[self.batch].append((self.index, _compact(output)))
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.silent:
+            message = f"{type(exc).__name__}: {exc}"
+            self.worker.outgoing[self.batch].append((self.index, error_output(self.kind, self.request_id, message)))
+
+
+def _compact(out: EngineOutput) -> EngineOutput:
     """An embedding that views a larger tensor would pickle that whole storage; send a copy of just itself."""
     if isinstance(out, EmbeddingOutput) and out.embedding.untyped_storage().nbytes() > out.embedding.nbytes:
         out.embedding = out.embedding.clone()
