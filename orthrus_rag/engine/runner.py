@@ -49,7 +49,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.windows = {layer.window for layer in model.attention_layers}
-        self.attn_backend = select_backend(attention_backend, device)
+        self.attn_backend = select_backend(attention_backend, device, dtype, model.attention_layers[0].head_dim)
         self.num_slots = num_blocks * block_size
         # NOTE: rows past the paged region take the K/V of tokens the cache does not keep (an embedding's final
         # chunk), one per token of a step, so attention reads every key from the cache (attention/metadata.py)
