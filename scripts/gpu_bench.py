@@ -203,11 +203,20 @@ def hf_greedy(hf: LlamaForCausalLM, prompt: list[int], new: int, dev: torch.devi
 
 
 def throughput(args: argparse.Namespace, tokenizer: Any, vocab: int) -> None:
+    """The decode, embed and mixed sections on one pair of twin models (bf16 on CUDA)."""
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = llama_config(SHAPES[args.shape], vocab, tokenizer)
     ours, hf = twin_models(cfg, dtype, dev)
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    decode(args, dev, cfg, ours, hf, tokenizer, name, vocab)
+    embed(args, dev, cfg, ours, hf, tokenizer, name, vocab)
+    mixed(args, dev, ours, hf, tokenizer, name, vocab)
+
+
+def decode(args: argparse.Namespace, dev: torch.device, cfg: LlamaConfig, ours: CausalLM, hf: LlamaForCausalLM,
+           tokenizer: Any, name: str, vocab: int) -> None:
+    dtype = hf.dtype
     params = matmul_params(cfg) + cfg.hidden_size * vocab  # what a decode step reads: layers and lm_head
     floor = params * dtype.itemsize / (args.hbm_tbps * 1e12)
     b, plen, new = args.decode_batch, args.prompt_len, args.new_tokens
@@ -245,6 +254,9 @@ def throughput(args: argparse.Namespace, tokenizer: Any, vocab: int) -> None:
             compare_tokens("decode", f"run {i} (cuda_graphs={graphs}) vs the first run without graphs", hf, prompts,
                            tokens, eager, dev)
 
+
+def embed(args: argparse.Namespace, dev: torch.device, cfg: LlamaConfig, ours: CausalLM, hf: LlamaForCausalLM,
+          tokenizer: Any, name: str, vocab: int) -> None:
     n_emb, elen = args.embed_count, args.embed_len
     texts = [rand_ids(elen, vocab, 1000 + i) for i in range(n_emb)]
     pp = PoolingParams(pooling="mean")
@@ -269,10 +281,9 @@ def throughput(args: argparse.Namespace, tokenizer: Any, vocab: int) -> None:
     emit(section="embed", system="transformers", texts=n_emb, tokens=elen, tflops=flops / t / 1e12,
          peak_frac=flops / t / 1e12 / args.peak_tflops)
     compare_embeddings("embed", "mean-pooled embeddings vs transformers", [e.embedding for e in embs], hf_embs,
-                       cosine_threshold(dtype))
+                       cosine_threshold(hf.dtype))
     del eng
     release(dev)
-    mixed(args, dev, ours, hf, tokenizer, name, vocab)
 
 
 def release(dev: torch.device) -> None:
