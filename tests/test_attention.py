@@ -199,3 +199,74 @@ def test_backend_selection():
         select_backend("varlen", cpu)
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("flash", cpu)
+
+
+def _varlen_2_10(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's signature: `is_causal`, no `window_size`."""
+    raise AssertionError("never called: the backend choice reads only the signature")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA device as the backend choice sees it (nothing runs on it): CUDA available, torch 2.11's varlen_attn."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        raise AssertionError("never called: the backend choice reads only the signature")
+
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: fake)
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_auto_takes_varlen_on_cuda_in_half_precision(fake_cuda, dtype):
+    assert select_backend("auto", fake_cuda, dtype, 64) is varlen
+    assert select_backend("varlen", fake_cuda, dtype, 128) is varlen
+    assert select_backend("grouped", fake_cuda, dtype, 64) is grouped  # an explicit choice is kept
+
+
+def test_fp32_on_cuda_falls_back_to_grouped_and_explicit_varlen_says_why(fake_cuda, caplog):
+    with caplog.at_level("INFO", logger="orthrus_rag.layers.attention"):
+        assert select_backend("auto", fake_cuda, torch.float32, 64) is grouped
+    assert "float16 / bfloat16" in caplog.text
+    with pytest.raises(ValueError, match="float16 / bfloat16"):
+        select_backend("varlen", fake_cuda, torch.float32, 64)
+
+
+@pytest.mark.parametrize("head_dim", [100, 264])
+def test_head_sizes_flash_cannot_take_fall_back(fake_cuda, head_dim):
+    assert select_backend("auto", fake_cuda, torch.bfloat16, head_dim) is grouped
+    with pytest.raises(ValueError, match="head sizes"):
+        select_backend("varlen", fake_cuda, torch.bfloat16, head_dim)
+
+
+def test_torch_versions_without_the_kernels_features_fall_back(fake_cuda, monkeypatch):
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _varlen_2_10)
+    assert select_backend("auto", fake_cuda, torch.bfloat16, 64) is grouped
+    with pytest.raises(ValueError, match="window_size"):
+        select_backend("varlen", fake_cuda, torch.bfloat16, 64)
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: None)  # no torch.nn.attention.varlen at all
+    assert select_backend("auto", fake_cuda, torch.bfloat16, 64) is grouped
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn)
+    assert select_backend("auto", fake_cuda, torch.bfloat16, 64) is grouped
+
+
+def test_the_runner_chooses_by_its_models_dtype_and_head_size(monkeypatch):
+    """The runner hands the cache dtype and the model's head size to the choice (fp32 on CUDA -> grouped)."""
+    from transformers import LlamaConfig
+
+    from orthrus_rag.engine import runner as runner_module
+    from orthrus_rag.models.llama import CausalLM
+
+    seen = []
+
+    def spy(name, device, dtype, head_dim):
+        seen.append((name, device.type, dtype, head_dim))
+        return grouped
+
+    monkeypatch.setattr(runner_module, "select_backend", spy)
+    cfg = LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=32)
+    runner_module.ModelRunner(CausalLM(cfg), 4, 4, torch.device("cpu"), torch.bfloat16, max_num_batched_tokens=8)
+    assert seen == [("auto", "cpu", torch.bfloat16, 24)]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.calibration import calibrate
+from orthrus_rag.engine.runner import RunnerOutput
 from orthrus_rag.engine.step_cost import StepCostModel, StepShape
 from tests.fake_steps import FakeEngine, make_request
 
@@ -117,6 +118,7 @@ def test_calibration_is_bounded_in_time():
         def execute(self, sched):
             SlowRunner.calls += 1
             time.sleep(0.15)
+            return RunnerOutput(seconds=0.15)
 
     start = time.perf_counter()
     calibrate(SlowRunner(), StepCostModel(), max_tokens=256, max_seconds=0.2)

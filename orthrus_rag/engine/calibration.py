@@ -34,7 +34,7 @@ def calibrate(runner: Any, model: StepCostModel, max_tokens: int, max_seconds: f
         if time.perf_counter() - start > max_seconds:
             break
         sched = step(num_seqs, length)
-        t = time.perf_counter()
-        runner.execute(sched)
-        model.observe(sched.shape(), time.perf_counter() - t)
+        seconds = runner.execute(sched).seconds  # device time: on CUDA these steps return before they finish
+        if seconds is not None:
+            model.observe(sched.shape(), seconds)
     logger.info("step cost calibrated in %.2f s: %s", time.perf_counter() - start, model.describe())

@@ -67,6 +67,10 @@ class DecodeGraphs:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
         self.pool: Any = None
+        # NOTE: one side stream for every warm-up and capture: captures that share a pool should use the same
+        # stream (torch.cuda.graph's docs), and torch keeps a cuBLAS workspace per stream for the life of the
+        # process (tens of MiB on Hopper), so a stream per capture would hold one per bucket
+        self.stream: Any = None
         self.num_steps = 0  # decode steps run through a bucket (replayed, or eagerly without capture)
 
     def eligible(self, meta: AttentionMetadata, has_lora_rows: bool) -> bool:
@@ -142,14 +146,16 @@ class DecodeGraphs:
             return self.model(g.ids, g.positions)
 
     def _capture(self, g: _Graph) -> None:
-        stream = torch.cuda.Stream(device=self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph: lazy initialisations must not be captured
                 self._forward(g)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
+        with torch.cuda.graph(g.graph, pool=self.pool, stream=stream):
             g.hidden = self._forward(g)
         self.pool = g.graph.pool()
         logger.info("captured a decode CUDA graph for batch %d, width %d", g.batch, g.width)

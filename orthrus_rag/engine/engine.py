@@ -211,7 +211,8 @@ class Engine:
             req.first_scheduled_time = req.first_scheduled_time or now
         result = self.runner.execute(sched)
         stats.record_execution(result)
-        done = self.scheduler.update_from_output(sched, result, time.monotonic(), time.monotonic() - now)
+        # NOTE: the cost model learns the runner's device time (synchronised on CUDA), not the host's launch time
+        done = self.scheduler.update_from_output(sched, result, time.monotonic(), result.seconds)
         outputs = [self._output(req, done) for req in done.finished]
         outputs += [self._hand_off(req) for req in done.handoffs]
         outputs += [GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), stream_text(req),

@@ -16,6 +16,7 @@ import torch
 from orthrus_rag.engine.request import Request
 from orthrus_rag.engine.scheduler import SchedulerOutput
 from orthrus_rag.engine.cuda_graphs import DecodeGraphs
+from orthrus_rag.engine.step_timer import run_timed
 from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, select_backend
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
@@ -36,6 +37,7 @@ class RunnerOutput:
     num_embed_rows: int = 0
     num_generate_rows: int = 0
     num_encoder_rows: int = 0
+    seconds: float | None = None  # the step's time on the device (engine/step_timer.py): what the cost model fits
 
 
 class ModelRunner:
@@ -49,7 +51,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.windows = {layer.window for layer in model.attention_layers}
-        self.attn_backend = select_backend(attention_backend, device)
+        self.attn_backend = select_backend(attention_backend, device, dtype, model.attention_layers[0].head_dim)
         self.num_slots = num_blocks * block_size
         # NOTE: rows past the paged region take the K/V of tokens the cache does not keep (an embedding's final
         # chunk), one per token of a step, so attention reads every key from the cache (attention/metadata.py)
@@ -128,12 +130,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step; its `seconds` are measured on the device (synchronised on CUDA)."""
         out = RunnerOutput()
+        _, out.seconds = run_timed(self.device, lambda: self._run(sched, out))
+        return out
+
+    def _run(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         if sched.scheduled:
             self._run_decoder(sched, out)
         if sched.encoder:
             self._run_encoder(sched.encoder, out)
-        return out
 
     def _run_decoder(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         input_ids, meta, lora = self._prepare(sched)

@@ -8,6 +8,11 @@ indices planned once per step) and passes cumulative key lengths, which every ve
 expanded where `enable_gqa` is missing. Causal masking is flash attention's bottom-right aligned one
 (`window_size=(-1, 0)`): query j of a sequence with n new and L keys sees keys up to L - n + j, which is what a
 chunk after a cached prefix needs. A sliding window W is `window_size=(W - 1, 0)`.
+
+What the kernel takes (`unsupported` says why not, and the backend choice falls back to grouped SDPA): CUDA,
+fp16 / bf16 only (flash attention has no fp32 kernel), a head size that is a multiple of 8 up to 256, and a
+`window_size` argument (torch 2.10's varlen_attn has only `is_causal`, aligned in a way this backend does not
+rely on).
 """
 
 from __future__ import annotations
@@ -30,8 +35,30 @@ def _varlen_attn():  # -> the function, or None
     return varlen_attn
 
 
-def available() -> bool:
-    return _varlen_attn() is not None and torch.cuda.is_available()
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def takes_window() -> bool:
+    fn = _varlen_attn()
+    return fn is not None and "window_size" in inspect.signature(fn).parameters
+
+
+def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why this backend cannot run a model in `dtype` with `head_dim` on `device`, or None when it can."""
+    if device.type != "cuda":
+        return f"varlen flash attention runs on CUDA only, not on {device}"
+    if _varlen_attn() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if dtype not in DTYPES:
+        return f"flash attention takes float16 / bfloat16, not {dtype}"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"flash attention takes head sizes that are multiples of 8 up to {MAX_HEAD_DIM}, not {head_dim}"
+    if not takes_window():
+        return f"torch {torch.__version__}'s varlen_attn has no window_size (causal masking after a cached prefix)"
+    return None
 
 
 @lru_cache(maxsize=1)
