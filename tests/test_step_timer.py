@@ -78,6 +78,7 @@ def test_calibration_fits_the_runners_device_time_not_the_host_clock():
     assert model.seconds == pytest.approx([0.041, 0.056, 0.104, 0.296, 0.296])
 
 
+@pytest.mark.slow
 def test_the_engine_gives_the_cost_model_the_runners_step_time():
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=64, max_position_embeddings=128)
