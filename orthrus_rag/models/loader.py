@@ -21,6 +21,10 @@ def load_config(path: Path) -> PretrainedConfig:
 
 def decoder_class(config: PretrainedConfig) -> type[CausalLM]:
     """The decoder implementation for a config's model_type (CausalLM refuses types it does not know)."""
+    if config.model_type == "gemma3":
+        # NOTE: the multimodal checkpoints (gemma-3-4b and up) nest the text model under a vision tower
+        raise ValueError("multimodal Gemma 3 (model_type 'gemma3') is not supported; text-only Gemma 3 "
+                         "(model_type 'gemma3_text', e.g. gemma-3-1b / Gemma3ForCausalLM) is")
     return Gemma3CausalLM if config.model_type in GEMMA3_MODEL_TYPES else CausalLM
 
 
