@@ -69,6 +69,8 @@ class PoolingParams:
     `instruction`: text prefixed to the input (query instructions, e.g. e5's "query: ").
     `append_eos`: append the tokenizer's EOS before pooling (e5-mistral style `last` pooling); default: only
     for `last`.
+    `end_token`: the token appended instead of the tokenizer's EOS (e.g. Qwen3-Embedding's "<|endoftext|>", whose
+    tokenizer's EOS is "<|im_end|>"); not appended twice when the input already ends with it.
     `adapter`: name of a loaded LoRA adapter; None picks the engine's default embedding adapter (or the separate
     encoder); "" (`engine.routing.NO_ADAPTER`) the bare decoder backbone.
     `truncate`: cut an input longer than the model's maximum (as sentence-transformers does) instead of
@@ -83,6 +85,7 @@ class PoolingParams:
     head: Callable[[torch.Tensor], torch.Tensor] | None = None
     instruction: str | None = None
     append_eos: bool | None = None
+    end_token: str | None = None
     adapter: str | None = None
     truncate: bool = False
     priority: int = 0
@@ -96,6 +99,9 @@ class PoolingParams:
             bad = [w for w in self.weights if not math.isfinite(float(w))]
             if bad:
                 raise ValueError(f"pooling weights must be finite numbers, got {bad[:3]}")
+        if self.end_token is not None and not self.wants_eos:
+            raise ValueError("end_token is the token appended for last pooling; it needs append_eos "
+                             "(the default for pooling='last')")
         if self.head is not None and self.pooling != "all":
             raise ValueError("a head is only applied with pooling='all'")
 

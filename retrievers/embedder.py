@@ -176,7 +176,7 @@ def pooling_identity(kind: str, model: str, embedding_model: str | None, adapter
                      doc: PoolingParams, query: PoolingParams, dimension: int | None) -> dict[str, Any]:
     """What made an index's vectors: `kind` is who served them ("engine" for this project's engine in any
     deployment, or a peer's name), then the models and pooling of documents and queries."""
-    return {
+    identity = {
         "kind": kind,
         "model": model,
         "embedding_model": embedding_model,
@@ -192,6 +192,9 @@ def pooling_identity(kind: str, model: str, embedding_model: str | None, adapter
         "head": _name(doc.head),
         "dimension": dimension,
     }
+    if doc.end_token is not None:  # NOTE: only when set, so indexes saved before the field existed still match
+        identity["end_token"] = doc.end_token
+    return identity
 
 
 def _stack(outputs: Sequence[Any]) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Our decoder, run through the real engine (chunked prefill, paged KV cache, decode steps), against
-transformers' own forward on tiny random-initialised Llama / Mistral / Qwen2 configs.
+transformers' own forward on tiny random-initialised Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 configs.
 
 Logits of every position come out of the engine as an embedding request with `pooling="all"` (the final
 normed hidden states) passed through `model.compute_logits`; greedy generation is compared token for token
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PretrainedConfig,
+                          Qwen2Config, Qwen3Config)
 
 from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, PoolingParams, SamplingParams, SchedulerConfig
 from orthrus_rag.models.loader import load_decoder
@@ -34,8 +35,19 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_a
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
+# Gemma 3: sliding and global layers alternating (window 8 < SEQ_LEN), each kind with its own rotary base, the
+# global kind also linearly scaled; a query scale that is not head_dim**-0.5; soft-capped logits
+_GEMMA3 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=3.0,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})
+
 
 def _config(name: str) -> PretrainedConfig:
+    if name == "qwen3_qk_norm":  # head_dim 24 is not hidden / heads (16), as in the real Qwen3 sizes
+        return Qwen3Config(**_COMMON, head_dim=24, tie_word_embeddings=False)
+    if name == "gemma3_alternating":
+        return Gemma3TextConfig(**_COMMON, **_GEMMA3)
     if name == "mistral_sliding":
         return MistralConfig(**_COMMON, sliding_window=8)
     if name == "qwen2_bias":
@@ -47,7 +59,8 @@ def _config(name: str) -> PretrainedConfig:
     raise KeyError(name)
 
 
-MODELS = ["mistral_sliding", "qwen2_bias", "llama3_rope", "llama3_rope_legacy_json", "llama_tied"]
+MODELS = ["mistral_sliding", "qwen2_bias", "llama3_rope", "llama3_rope_legacy_json", "llama_tied", "qwen3_qk_norm",
+          "gemma3_alternating"]
 
 
 class _StubTokenizer:
@@ -135,6 +148,48 @@ def test_feature_matters(models: dict) -> None:
         assert models["ours"].model.layers[0].self_attn.q_proj.bias.abs().min() > 0
     elif name == "llama_tied":
         assert models["ours"].lm_head.weight is models["ours"].model.embed_tokens.weight
+    elif name == "qwen3_qk_norm":
+        _assert_qk_norm_matters(models["ours"], ids, ref)
+    elif name == "gemma3_alternating":
+        _assert_qk_norm_matters(models["ours"], ids, ref)
+        _assert_gemma3_features_matter(models, ids, ref)
+
+
+def _assert_qk_norm_matters(ours: torch.nn.Module, ids: list[int], ref: torch.Tensor) -> None:
+    """Without the per-head q/k norms our logits would be far from HF's (the parity tests below cover them)."""
+    attns = ours.attention_layers
+    saved = [(a.q_norm, a.k_norm) for a in attns]
+    try:
+        for a in attns:
+            a.q_norm = a.k_norm = None
+        (out,) = _engine(ours, SEQ_LEN).embed([ids], ALL)
+        assert (_engine_logits(_engine(ours, SEQ_LEN), out) - ref).abs().max() > 100 * ATOL
+    finally:
+        for a, (qn, kn) in zip(attns, saved):
+            a.q_norm, a.k_norm = qn, kn
+
+
+def _assert_gemma3_features_matter(models: dict, ids: list[int], ref: torch.Tensor) -> None:
+    hf, ours = models["hf"], models["ours"]
+    assert {layer.self_attn.window for layer in ours.model.layers} == {8, None}  # alternating kinds
+    hf.config.sliding_window = SEQ_LEN
+    try:
+        plain = _hf_logits(hf, ids)
+    finally:
+        hf.config.sliding_window = 8
+    assert torch.allclose(ref[:8], plain[:8], atol=ATOL) and (ref[8:] - plain[8:]).abs().max() > 100 * ATOL
+    local, glob = ours.model.rotary_embs["sliding_attention"], ours.model.rotary_embs["full_attention"]
+    assert not torch.allclose(local.inv_freq, glob.inv_freq)  # own bases (and scaling) per kind
+    for kind, rope in ours.model.rotary_embs.items():
+        torch.testing.assert_close(rope.inv_freq, getattr(hf.model.rotary_emb, f"{kind}_inv_freq"), atol=0,
+                                   rtol=1e-6)
+    cap = hf.config.final_logit_softcapping
+    assert ref.abs().max() < cap  # soft-capped ...
+    hf.config.final_logit_softcapping = None
+    try:
+        assert _hf_logits(hf, ids).abs().max() > cap  # ... and the cap binds
+    finally:
+        hf.config.final_logit_softcapping = cap
 
 
 # ---- logits at every position, chunked through the paged KV cache ---------------------------------------

@@ -56,8 +56,10 @@ class InputProcessor:
             if params.instruction:
                 ids = tokenizer(params.instruction, add_special_tokens=False)["input_ids"] + ids
         ids = self._check_ids(ids, vocab, "embedding input")
-        if not on_encoder and params.wants_eos and ids[-1] != tokenizer.eos_token_id:
-            ids.append(tokenizer.eos_token_id)
+        if not on_encoder and params.wants_eos:
+            end = tokenizer.eos_token_id if params.end_token is None else self._token_id(tokenizer, params.end_token)
+            if ids[-1] != end:
+                ids.append(end)
         limit = self.encoder_max_len if on_encoder else min(self.max_model_len, self.max_kv_tokens)
         if params.truncate and len(ids) > limit:
             # NOTE: keep the final token: the encoder's [SEP], or the EOS that `last` pooling reads
@@ -72,6 +74,14 @@ class InputProcessor:
         else:
             self._check_len(len(ids), "embedding input")
         return ids
+
+    @staticmethod
+    def _token_id(tokenizer: Any, token: str) -> int:
+        """The id of one special token; a string the vocabulary lacks is a ValueError, not the unknown token."""
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"end_token {token!r} is not one token of this tokenizer (it encodes to {ids})")
+        return ids[0]
 
     def _check_len(self, n: int, what: str) -> None:
         if n > self.max_model_len:

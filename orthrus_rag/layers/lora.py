@@ -20,6 +20,7 @@ from torch import nn
 
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.linear import linear
+from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas, load_full_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class LoRAAdapter:
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
     # module name -> (A [r, in], B [out, r])
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # module name -> tuned minus base weight, for norms and embedding rows (layers/row_deltas.py)
+    full_deltas: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _check_config(cfg: dict, path: Path) -> None:
@@ -96,7 +99,8 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None) -> LoRAA
         weights[module] = (a, b)
     if not weights:
         raise ValueError(f"{path}: adapter holds no LoRA weights")
-    adapter = LoRAAdapter(name=name or path.name, rank=rank, scaling=scaling, weights=weights)
+    adapter = LoRAAdapter(name=name or path.name, rank=rank, scaling=scaling, weights=weights,
+                          full_deltas=load_full_deltas(path))
     logger.info("loaded LoRA adapter %r: r=%d scaling=%.4g, %d modules", adapter.name, rank, scaling, len(weights))
     return adapter
 
@@ -172,6 +176,7 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, 
             if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
                 raise ValueError(f"adapter {adapter.name!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                                  f"{module_name!r} ({target.in_features} -> {target.out_features})")
+        check_full_deltas(model, adapter.full_deltas, adapter.name)
 
     next_slot = max(slots.values(), default=0) + 1
     for slot, adapter in enumerate(adapters, start=next_slot):
@@ -183,6 +188,7 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, 
                 setattr(model.get_submodule(parent_name) if parent_name else model, child, target)
                 modules[module_name] = target
             target.add_adapter(slot, a, b, adapter.scaling)
+        attach_full_deltas(model, slot, adapter.full_deltas, adapter.name)
         slots[adapter.name] = slot
         logger.info("attached LoRA adapter %r as slot %d (%d modules)", adapter.name, slot, len(adapter.weights))
     model._lora_slots = slots  # type: ignore[assignment]  # NOTE: lets a later call continue the numbering

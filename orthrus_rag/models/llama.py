@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over one flat token batch with a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over one flat token batch with a paged KV cache.
 
 Module and parameter names mirror transformers' so a checkpoint's state dict loads by name and PEFT adapters
 find their target modules.
@@ -16,7 +16,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.fused import fuse, project
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# NOTE: Qwen3 is Llama plus an RMSNorm over each head's queries and keys (before rotary)
+QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
 class RMSNorm(nn.Module):
@@ -34,9 +36,12 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> None:
+        """`layer_type` picks one entry of a per-layer-type `rope_parameters` (Gemma 3: sliding / full)."""
         super().__init__()
         rope = dict(getattr(config, "rope_parameters", None) or {})
+        if layer_type is not None:
+            rope = dict(rope[layer_type] or {})
         rope_type = rope.get("rope_type", "default")
         # NOTE: computed on CPU even under an ambient `torch.device("meta")` (the loader builds the model there):
         # transformers' scaled-rope functions call `.to("cpu")` on tensors that would otherwise be meta
@@ -50,7 +55,8 @@ class RotaryEmbedding(nn.Module):
                 self.attention_scaling = 1.0
             else:
                 # NOTE: scaled variants (llama3, yarn, ...) come from transformers' own table
-                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+                kwargs = {} if layer_type is None else {"layer_type": layer_type}
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,13 +105,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.model_type in QK_NORM_MODEL_TYPES:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = apply_rotary  # CausalLM.compile_elementwise swaps in a fused kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = project(self, "qkv", self.QKV, x)
-        q = self.rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = self.rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, over head_dim (Qwen3, Gemma 3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         ctx = get_forward_context()
         assert ctx.attn is not None, "forward outside a runner step"
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
@@ -123,8 +136,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
-        self.act_mul = silu_mul if config.hidden_act == "silu" else (lambda gate, up: self.act(gate) * up)
+        act = getattr(config, "hidden_act", None) or config.hidden_activation  # NOTE: Gemma names it differently
+        self.act = ACT2FN[act]
+        self.act_mul = silu_mul if act == "silu" else (lambda gate, up: self.act(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self, "gate_up", self.GATE_UP, x)
@@ -150,8 +164,13 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(config, head_dim)
+        self.config = config
+        self.init_rotary()
+
+    def init_rotary(self, device: str | torch.device = "cpu") -> None:
+        """(Re)build the rotary table: a non-persistent buffer, left uninitialised by `to_empty`."""
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(self.config, head_dim).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from orthrus_rag.models.llama import CausalLM, RotaryEmbedding
+from orthrus_rag.models.gemma3 import GEMMA3_MODEL_TYPES, Gemma3CausalLM
+from orthrus_rag.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -18,15 +19,24 @@ def load_config(path: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(str(path))
 
 
+def decoder_class(config: PretrainedConfig) -> type[CausalLM]:
+    """The decoder implementation for a config's model_type (CausalLM refuses types it does not know)."""
+    if config.model_type == "gemma3":
+        # NOTE: the multimodal checkpoints (gemma-3-4b and up) nest the text model under a vision tower
+        raise ValueError("multimodal Gemma 3 (model_type 'gemma3') is not supported; text-only Gemma 3 "
+                         "(model_type 'gemma3_text', e.g. gemma-3-1b / Gemma3ForCausalLM) is")
+    return Gemma3CausalLM if config.model_type in GEMMA3_MODEL_TYPES else CausalLM
+
+
 def build_decoder(config: PretrainedConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
     """An empty decoder (no random init: weights are loaded next)."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = decoder_class(config)(config)
     model = model.to_empty(device=device).to(dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    # NOTE: to_empty leaves non-persistent buffers uninitialised; rebuild the rotary table
-    model.model.rotary_emb = RotaryEmbedding(config, model.model.layers[0].self_attn.head_dim).to(device)
+    # NOTE: to_empty leaves non-persistent buffers uninitialised; rebuild the rotary table(s)
+    model.model.init_rotary(device)
     return model
 
 

@@ -1,0 +1,110 @@
+"""Retrieval quality of embedding configurations on a QA file: recall@k of the supporting paragraphs.
+
+    python scripts/eval_embedding_recall.py --data ../shared/data/2wikimultihopqa_dev_first200.jsonl \
+        --configs minilm bare-mean prompteol adapter --adapter runs/adapters/smollm2-embed --out recall.json
+
+The corpus is the union of the file's context paragraphs (de-duplicated by title, as the pipelines build it);
+each question is embedded alone (no previous generation) and searched exactly (inner product of L2-normalised
+vectors, what a FAISS flat index computes). All configurations run on one engine in one run:
+- `minilm`: all-minilm-l6-v2, the separate encoder (mean pooling + L2);
+- `bare-mean`: SmolLM2 with no adapter, mean pooling + L2 (the engine's decoder default);
+- `prompteol`: SmolLM2 with no adapter, training-free: PromptEOL's prompt ('This sentence : "X" means in one
+  word:"'), the last prompt token's hidden state (no EOS appended), L2;
+- `adapter`: SmolLM2 + the LoRA adapter given by --adapter, pooled as its `orthrus_embedding.json` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from orthrus_rag import Engine, PoolingParams
+from orthrus_rag.data.loaders import build_corpus, load_qa
+from orthrus_rag.pipelines.metrics import recall_at_k
+
+logger = logging.getLogger("eval_embedding_recall")
+PROMPTEOL = 'This sentence : "{}" means in one word:"'
+CONFIGS = ("minilm", "bare-mean", "prompteol", "adapter")
+
+
+def _pooling(config: str, adapter_dir: Path | None) -> tuple[PoolingParams, PoolingParams, str]:
+    """(document params, query params, text template) of one configuration."""
+    if config == "minilm":
+        # NOTE: truncated at 256 tokens, as sentence-transformers does (a few 2Wiki paragraphs are longer)
+        params = PoolingParams(pooling="mean", truncate=True)
+        return params, params, "{}"
+    if config == "bare-mean":
+        return PoolingParams(pooling="mean", adapter=""), PoolingParams(pooling="mean", adapter=""), "{}"
+    if config == "prompteol":
+        params = PoolingParams(pooling="last", append_eos=False, adapter="")
+        return params, params, PROMPTEOL
+    assert adapter_dir is not None, "--adapter is needed for the adapter configuration"
+    card = json.loads((adapter_dir / "orthrus_embedding.json").read_text())
+    doc = PoolingParams(pooling=card["pooling"], instruction=card.get("document_instruction"), adapter="embed")
+    query = PoolingParams(pooling=card["pooling"], instruction=card.get("query_instruction"), adapter="embed")
+    return doc, query, "{}"
+
+
+def _embed(engine: Engine, texts: list[str], params: PoolingParams, batch: int = 64) -> np.ndarray:
+    out = []
+    for start in range(0, len(texts), batch):
+        out += [o.embedding.float().numpy() for o in engine.embed(texts[start:start + batch], params)]
+    return np.stack(out)
+
+
+def evaluate(engine: Engine, config: str, adapter_dir: Path | None, examples: list, ks: tuple[int, ...]) -> dict:
+    corpus = build_corpus(examples)
+    doc, query, template = _pooling(config, adapter_dir)
+    t0 = time.perf_counter()
+    docs = _embed(engine, [template.format(p.contents) for p in corpus], doc)
+    queries = _embed(engine, [template.format(ex.question) for ex in examples], query)
+    scores = queries @ docs.T
+    top = np.argsort(-scores, axis=1)[:, :max(ks)]
+    result: dict = {"config": config, "passages": len(corpus), "questions": len(examples),
+                    "seconds": round(time.perf_counter() - t0, 1)}
+    for k in ks:
+        values = [recall_at_k([corpus[i].title for i in row], ex.supporting_titles, k)
+                  for row, ex in zip(top, examples)]
+        values = [v for v in values if v is not None]
+        result[f"recall@{k}"] = round(float(np.mean(values)), 4)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="a 2Wiki-format JSONL file")
+    ap.add_argument("--dataset", default="2wiki")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--adapter", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    examples = load_qa(args.dataset, path=args.data, limit=args.limit)
+    adapters = [str(args.adapter)] if "adapter" in args.configs else []
+    engine = Engine.from_pretrained(
+        "smollm2-135m-instruct", embedding_adapter=adapters or None,
+        embedding_model="all-minilm-l6-v2" if "minilm" in args.configs else None, num_threads=args.threads,
+        max_num_batched_tokens=512, max_chunk_tokens=512, max_num_seqs=64)
+    if adapters:  # NOTE: the adapter loads under its folder's name; the configs above call it "embed"
+        engine.adapter_slots = {"embed": engine.adapter_slots[args.adapter.name]}
+    results = []
+    for config in args.configs:
+        results.append(evaluate(engine, config, args.adapter, examples, (2, 5, 10)))
+        logger.info("%s", results[-1])
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=2))
+    print(f"{'config':<10} {'recall@2':>9} {'recall@5':>9} {'recall@10':>10} {'seconds':>8}")
+    for r in results:
+        print(f"{r['config']:<10} {r['recall@2']:>9.4f} {r['recall@5']:>9.4f} {r['recall@10']:>10.4f} "
+              f"{r['seconds']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
