@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast bench bench-all clean peers
+.PHONY: install demo test test-fast adapter bench bench-all clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ test: install
 # the edit-test loop: model-free tests only (under a minute); a test here that loads a model fails, naming `slow`
 test-fast: install
 	ORTHRUS_TEST_FAST=1 $(PY) -m pytest -q -m "not slow and not gpu"
+
+# the shared-backbone embedding adapter, by the project's recipe (synthetic text only; fixed seeds; nice'd)
+adapter: install
+	nice -n 19 $(PY) scripts/train_embedding_adapter.py --out runs/adapters/smollm2-embed --batch-size 12 \
+		--max-len 96 --lr 5e-4 --steps 400
 
 bench: install
 	$(PY) scripts/bench_engine.py

@@ -19,6 +19,8 @@ from orthrus_rag.models.adapter_extraction import extract, read_checkpoint, writ
 from orthrus_rag.models.loader import load_decoder
 from tests.test_model_parity import ATOL, SEQ_LEN, _build, _engine, _engine_logits, _hf_logits, _ids
 
+pytestmark = pytest.mark.slow  # builds engines (make test-fast skips it)
+
 RANK = 4
 EXACT = 1e-5
 ALL = PoolingParams(pooling="all", normalize=False, adapter="tuned")

@@ -18,6 +18,8 @@ from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter  # noqa: 
 from tests.test_model_parity import (ATOL, SEQ_LEN, _assert_all_blocks_free, _build,  # noqa: E402
                                      _check_greedy_close, _engine, _engine_logits, _hf_greedy, _hf_logits, _ids)
 
+pytestmark = pytest.mark.slow  # builds engines (make test-fast skips it)
+
 FAMILIES = ["llama_tied", "qwen3_qk_norm", "gemma3_alternating"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
