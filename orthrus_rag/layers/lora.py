@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from orthrus_rag.layers.context import get_forward_context
+from orthrus_rag.layers.wrapping import wrap_once
 from orthrus_rag.layers.linear import linear
 from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas, load_full_deltas
 
@@ -181,13 +182,7 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, 
     next_slot = max(slots.values(), default=0) + 1
     for slot, adapter in enumerate(adapters, start=next_slot):
         for module_name, (a, b) in adapter.weights.items():
-            target = modules[module_name]
-            if not isinstance(target, LoRALinear):
-                target = LoRALinear(target)
-                parent_name, _, child = module_name.rpartition(".")
-                setattr(model.get_submodule(parent_name) if parent_name else model, child, target)
-                modules[module_name] = target
-            target.add_adapter(slot, a, b, adapter.scaling)
+            wrap_once(model, modules, module_name, LoRALinear).add_adapter(slot, a, b, adapter.scaling)
         attach_full_deltas(model, slot, adapter.full_deltas, adapter.name)
         slots[adapter.name] = slot
         logger.info("attached LoRA adapter %r as slot %d (%d modules)", adapter.name, slot, len(adapter.weights))

@@ -20,6 +20,7 @@ from torch import nn
 from torch.func import functional_call
 
 from orthrus_rag.layers.context import get_forward_context
+from orthrus_rag.layers.wrapping import wrap_once
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +99,6 @@ def attach_full_deltas(model: nn.Module, slot: int, deltas: dict[str, torch.Tens
     check_full_deltas(model, deltas, adapter)
     modules = dict(model.named_modules())
     for name, delta in deltas.items():
-        target = modules[name]
-        if not isinstance(target, RowDeltaModule):
-            target = RowDeltaModule(target)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, target)
-            modules[name] = target
-        target.add_delta(slot, delta)
+        wrap_once(model, modules, name, RowDeltaModule).add_delta(slot, delta)
     if deltas:
         logger.info("adapter %r: full deltas on %d modules", adapter, len(deltas))
