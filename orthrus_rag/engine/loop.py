@@ -9,7 +9,7 @@ request, of every sink, with that error as the cause (their KV blocks freed), an
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from orthrus_rag.engine.request import RequestKind
@@ -74,20 +74,6 @@ class EngineLoop:
             raise ValueError(f"unknown request kind {kind!r}; expected one of {', '.join(k.value for k in RequestKind)}")
         self.sinks[rid] = sink
         return rid
-
-    def add_all(self, items: Sequence[tuple[RequestKind, str | None, Any, Any]], sink: RequestSink,
-                **kwargs: Any) -> list[str]:
-        """Add every item or none (like `Engine.run`: bad input is refused before anything runs)."""
-        added: list[str] = []
-        try:
-            for kind, rid, input, params in items:
-                added.append(self.add(kind, rid, input, params, sink, **kwargs))
-        except (ValueError, TypeError):
-            for rid in added:
-                self.sinks.pop(rid, None)
-                self.engine.abort(rid)
-            raise
-        return added
 
     def add_prefilled(self, handoff: Any, sink: RequestSink) -> str:
         """Continue a generation another engine prefilled (engine/handoff.py)."""

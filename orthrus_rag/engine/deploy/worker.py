@@ -112,7 +112,7 @@ class _Worker:
         """Add every item or none (like Engine.run: bad input is rejected before anything runs)."""
         handoff = self.handoff_to is not None
         try:
-            for item in items:  # NOTE: one sink per item; add_all's all-or-none covers them together
+            for item in items:  # NOTE: one sink per item; a refused item undoes the batch's others below
                 self.loop.add(RequestKind(item.kind), item.request_id, item.input, item.params,
                               _Sink(self, batch, item.index, item.kind, item.request_id),
                               handoff=handoff and item.kind == "generate")
