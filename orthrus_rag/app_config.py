@@ -40,7 +40,7 @@ class ModelConf:
     attention_backend: str = "auto"  # auto | grouped | reference (varlen: CUDA)
 
 
-APP_ENGINE_FIELDS = ("serving", "threads", "max_pending")  # EngineConf fields that are not engine options
+APP_ENGINE_FIELDS = ("serving", "threads", "max_in_flight")  # EngineConf fields that are not engine options
 
 
 @dataclass
@@ -55,7 +55,7 @@ class EngineConf:
     block_size: int = 16
     kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True  # share the KV of common prompt prefixes (few-shot demonstrations)
-    max_pending: int = 8192
+    max_in_flight: int = 8192
     # orthrus: size steps by a timed step-cost model; null: on CUDA only (true/false force it; false: reproducible)
     cost_budget: bool | None = None
     step_time_target: float | None = None  # seconds a step with decodes may take; None: their time x (1 + margin)
@@ -87,7 +87,7 @@ class PipelineConf:
 
 @dataclass
 class ServeConf:
-    """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (orthrus_rag/serving/)."""
+    """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (orthrus_rag/entrypoints/openai/)."""
 
     host: str = "127.0.0.1"  # loopback by default; another address exposes the engine to the network
     port: int = 8000
@@ -116,7 +116,7 @@ class AppConf:
 
 # settings that change how a run goes, not what it computes: a resumed run may change them
 OPERATIONAL_KEYS = ("run_dir", "resume", "progress", "checkpoint_every", "pipeline.max_concurrency",
-                    "pipeline.question_timeout_s", "model.num_threads", "engine.max_pending")
+                    "pipeline.question_timeout_s", "model.num_threads", "engine.max_in_flight")
 
 
 def register_configs() -> None:
@@ -220,8 +220,8 @@ def _check_run_settings(cfg: Any) -> None:
                          f"got {p.question_timeout_s}")
     if cfg.checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be at least 1, got {cfg.checkpoint_every}")
-    if cfg.engine.max_pending < 1:
-        raise ValueError(f"engine.max_pending must be at least 1, got {cfg.engine.max_pending}")
+    if cfg.engine.max_in_flight < 1:
+        raise ValueError(f"engine.max_in_flight must be at least 1, got {cfg.engine.max_in_flight}")
     if cfg.resume is not None and not Path(cfg.resume).is_dir():
         raise ValueError(f"resume: no such run folder: {cfg.resume}")
 

@@ -55,12 +55,12 @@ class Backend:
 class EngineBackend(Backend):
     """One in-process `Engine` behind an `AsyncEngine`: embeddings and generations share its steps."""
 
-    def __init__(self, engine: Any, max_pending: int = 8192) -> None:
+    def __init__(self, engine: Any, max_in_flight: int = 8192) -> None:
         from orthrus_rag.engine.async_engine import AsyncEngine
 
         self.name = f"engine ({engine.config.scheduler.policy})"
         self.engine = engine
-        self.aengine = AsyncEngine(engine, max_pending=max_pending)
+        self.aengine = AsyncEngine(engine, max_in_flight=max_in_flight)
         self.tokenizer = engine.tokenizer
         self.encoder_pooling = dict(engine.encoder_pooling)
         self._first_hits = 0
@@ -73,7 +73,7 @@ class EngineBackend(Backend):
 
     @property
     def max_in_flight(self) -> int:
-        return self.aengine.max_pending
+        return self.aengine.max_in_flight
 
     def observe_steps(self, observer: Callable[[Any], None]) -> bool:
         self.engine.step_observers.append(observer)

@@ -36,8 +36,8 @@ class AsyncGenerator(Protocol):
 
 
 def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> int:
-    """Questions in flight by default: never more than the backend admits (`max_in_flight` requests: the async
-    engine's `max_pending`, a bridge's `max_in_flight`), so none fails for lack of room; and, with the engine's
+    """Questions in flight by default: never more than the backend admits (`max_in_flight` requests: the
+    engine client's limit), so none fails for lack of room; and, with the engine's
     batch size known, twice that: enough to keep every step full while some questions retrieve. More only queues
     in the engine, and then questions all finish near the end of a run instead of steadily."""
     n = max_in_flight // REQUESTS_PER_QUESTION
@@ -79,7 +79,7 @@ class IterRetGen:
         self.k = k
         self.sampling_params = sampling_params or SamplingParams(max_tokens=96, temperature=0.0)
         self.chat_template = chat_template  # a tokenizer with apply_chat_template, or None for plain text
-        capacity = getattr(engine, "max_pending", None) or getattr(engine, "max_in_flight", None) or 64
+        capacity = getattr(engine, "max_in_flight", None) or 64
         self.max_concurrency = max_concurrency or default_concurrency(capacity)
         self.recall_ks = recall_ks
         self.question_timeout_s = question_timeout_s

@@ -105,7 +105,7 @@ class EngineEmbedder(EmbedderMethods):
         self.aengine = engine if isinstance(engine, AsyncEngine) else None
         self.engine: Engine = engine.engine if isinstance(engine, AsyncEngine) else engine
         if self.aengine is not None:  # NOTE: embed_many submits a whole batch; stay under the pending cap
-            batch_size = min(batch_size, self.aengine.max_pending)
+            batch_size = min(batch_size, self.aengine.max_in_flight)
         self.batch_size = batch_size
         self.document_params = document_params or self.engine.default_pooling_params()
         self.query_params = query_params or replace(self.document_params)

@@ -176,11 +176,11 @@ def main() -> int:
     args = p.parse_args()
     if not (1 <= args.clients <= 512 and 0 < args.duration <= 1800):
         p.error("clients must be in [1, 512] and duration in (0, 1800] s")
-    from orthrus_rag.serving.server import free_port
+    from orthrus_rag.entrypoints.openai.server import free_port
 
     port = args.port or free_port()
     run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"orthrus-serve-load-{port}"
-    cmd = [sys.executable, "-m", "orthrus_rag.cli", "serve", "serve.host=127.0.0.1", f"serve.port={port}",
+    cmd = [sys.executable, "-m", "orthrus_rag.entrypoints.cli", "serve", "serve.host=127.0.0.1", f"serve.port={port}",
            "serve.log_level=warning", f"run_dir={run_dir}", *args.overrides]
     server = subprocess.Popen(cmd)
     try:

@@ -96,23 +96,23 @@ def engine(smol_engine):
     assert smol_engine.block_manager.num_free_blocks == smol_engine.block_manager.num_blocks
 
 
-SERVED_MAX_PENDING = 8  # small, so the queue-full (429) path is reachable with a handful of requests
+SERVED_MAX_IN_FLIGHT = 8  # small, so the queue-full (429) path is reachable with a handful of requests
 SERVED_REFERENCE_TEXTS = ["Jane Austen wrote Pride and Prejudice.", "The Nile flows north into the Mediterranean."]
 
 
 @pytest.fixture(scope="session")
 def served():
-    """One real server for the session: SmolLM2 + MiniLM behind `orthrus_rag.serving` on a free loopback port.
+    """One real server for the session: SmolLM2 + MiniLM behind `orthrus_rag.entrypoints.openai` on a free loopback port.
     `reference`: in-process embeddings of SERVED_REFERENCE_TEXTS from the same engine, taken before it served."""
     from types import SimpleNamespace
 
     from orthrus_rag import Engine
     from orthrus_rag.engine.async_engine import AsyncEngine
-    from orthrus_rag.serving import ServerThread
+    from orthrus_rag.entrypoints.openai import ServerThread
 
     engine = Engine.from_pretrained(SMOL, embedding_model=MINILM, **engine_overrides())
     reference = [o.embedding.clone() for o in engine.embed(SERVED_REFERENCE_TEXTS)]
-    aengine = AsyncEngine(engine, max_pending=SERVED_MAX_PENDING)
+    aengine = AsyncEngine(engine, max_in_flight=SERVED_MAX_IN_FLIGHT)
     server = ServerThread(aengine, default_max_tokens=8)
     yield SimpleNamespace(engine=engine, aengine=aengine, server=server, url=server.url, reference=reference,
                           model=SMOL, embedding_model=MINILM)

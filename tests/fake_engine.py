@@ -111,7 +111,7 @@ class FakeEngine:
         return outputs
 
 
-def fake_backend(max_pending: int = 64, **kwargs: Any):  # -> EngineBackend over a FakeEngine
+def fake_backend(max_in_flight: int = 64, **kwargs: Any):  # -> EngineBackend over a FakeEngine
     from orthrus_rag.backends import EngineBackend
 
-    return EngineBackend(FakeEngine(**kwargs), max_pending=max_pending)
+    return EngineBackend(FakeEngine(**kwargs), max_in_flight=max_in_flight)

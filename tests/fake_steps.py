@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from orthrus_rag.config import SchedulerConfig
-from orthrus_rag.engine.block_manager import BlockManager
-from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
-from orthrus_rag.engine.scheduler import Scheduler, SchedulerOutput
-from orthrus_rag.engine.step_cost import StepCostModel
+from orthrus_rag.engine.core.block_manager import BlockManager
+from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
+from orthrus_rag.engine.core.scheduler import Scheduler, SchedulerOutput
+from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 KINDS = ("generate", "embed", "encoder")

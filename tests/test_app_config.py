@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
-from orthrus_rag import app
+from orthrus_rag.entrypoints import commands as app
 from orthrus_rag.app_config import register_configs, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -65,7 +65,7 @@ def test_bad_config_fails_before_any_model_loads(overrides, message, monkeypatch
 
 
 def test_cli_reports_a_bad_value_without_a_traceback(tmp_path, capsys):
-    from orthrus_rag.cli import main
+    from orthrus_rag.entrypoints.cli import main
 
     assert main(["run", "pipeline.iterations=0", f"run_dir={tmp_path}"]) == 2
     assert "error: pipeline.iterations must be at least 1" in capsys.readouterr().err

@@ -142,7 +142,7 @@ def test_bad_input_fails_only_its_caller(engine):
 
 def test_queue_full(engine):
     async def main():
-        async with AsyncEngine(engine, max_pending=3) as aeng:
+        async with AsyncEngine(engine, max_in_flight=3) as aeng:
             tasks = [asyncio.create_task(aeng.generate(f"prompt {i}", SP)) for i in range(3)]
             await asyncio.sleep(0)
             assert aeng.num_pending == 3

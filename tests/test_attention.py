@@ -256,7 +256,7 @@ def test_the_runner_chooses_by_its_models_dtype_and_head_size(monkeypatch):
     """The runner hands the cache dtype and the model's head size to the choice (fp32 on CUDA -> grouped)."""
     from transformers import LlamaConfig
 
-    from orthrus_rag.engine import runner as runner_module
+    from orthrus_rag.engine.executor import runner as runner_module
     from orthrus_rag.models.llama import CausalLM
 
     seen = []

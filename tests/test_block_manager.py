@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from orthrus_rag.config import SchedulerConfig
-from orthrus_rag.engine.block_manager import BlockManager
-from orthrus_rag.engine.request import RequestStatus
+from orthrus_rag.engine.core.block_manager import BlockManager
+from orthrus_rag.engine.core.request import RequestStatus
 from tests.fake_steps import FakeEngine, blocks_for, check_ownership, make_request, max_blocks_needed
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orthrus_rag import app
-from orthrus_rag.cli import main
+from orthrus_rag.entrypoints import commands as app
+from orthrus_rag.entrypoints.cli import main
 
 
 @pytest.fixture
@@ -57,10 +57,10 @@ def test_version(capsys):
 
 
 def test_serve_writes_no_folder_into_the_current_one(tmp_path, monkeypatch):
-    import orthrus_rag.serving
+    import orthrus_rag.entrypoints.openai
 
     served = []
-    monkeypatch.setattr(orthrus_rag.serving, "serve", lambda cfg: served.append(cfg.serve.port))
+    monkeypatch.setattr(orthrus_rag.entrypoints.openai, "serve", lambda cfg: served.append(cfg.serve.port))
     monkeypatch.chdir(tmp_path)
     assert main(["serve", "serve.port=8123"]) == 0
     assert served == [8123]

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, MistralConfig
 
 from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
-from orthrus_rag.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, _bucket, _width
+from orthrus_rag.engine.executor.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, _bucket, _width
 from orthrus_rag.models.llama import CausalLM, apply_rotary
 
 pytestmark = pytest.mark.slow  # builds engines (make test-fast skips it)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from orthrus_rag.engine.detokenizer import update_output
-from orthrus_rag.engine.request import Request, RequestKind
+from orthrus_rag.engine.core.request import Request, RequestKind
 from orthrus_rag.params import SamplingParams
 
 TEXT = "Hello world, the answer is forty-two."

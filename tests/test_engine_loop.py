@@ -18,7 +18,7 @@ from orthrus_rag.engine.clients import InProcessClient
 from orthrus_rag.engine.deploy.spec import WorkItem, dumps, loads
 from orthrus_rag.engine.deploy.worker import _Worker
 from orthrus_rag.engine.loop import EngineLoop, StepFailed
-from orthrus_rag.engine.request import RequestKind
+from orthrus_rag.engine.core.request import RequestKind
 
 pytestmark = pytest.mark.slow  # builds on the shared engine (make test-fast skips it)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams
-from orthrus_rag.engine.policies import POLICIES
+from orthrus_rag.engine.core.policies import POLICIES
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig
 
 from orthrus_rag import PoolingParams, SamplingParams
-from orthrus_rag.engine.cuda_graphs import BATCH_BUCKETS, _width
+from orthrus_rag.engine.executor.cuda_graphs import BATCH_BUCKETS, _width
 from orthrus_rag.models.llama import apply_rotary
 from tests.gpu_support import (DEVICE, assert_released, cuda_only, engine, gpu, ids, save_random_model,
                                smol_config)

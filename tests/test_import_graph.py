@@ -76,11 +76,11 @@ def test_no_import_cycles():
 def test_type_only_imports_are_counted():
     """The policies see the scheduler through a read-only protocol, not by importing it (type-only or not)."""
     mods = _modules()
-    assert "orthrus_rag.engine.scheduler" not in _imports(mods["orthrus_rag.engine.policies"])
-    assert "orthrus_rag.engine.policies" in _imports(mods["orthrus_rag.engine.scheduler"])
+    assert "orthrus_rag.engine.core.scheduler" not in _imports(mods["orthrus_rag.engine.core.policies"])
+    assert "orthrus_rag.engine.core.policies" in _imports(mods["orthrus_rag.engine.core.scheduler"])
 
 
 def test_config_and_loading_stay_low():
     mods = _modules()
     assert not {n for n in _imports(mods["orthrus_rag.config"]) if n.startswith("orthrus_rag.engine")}
-    assert "orthrus_rag.engine.engine" not in _imports(mods["orthrus_rag.engine.loading"])
+    assert "orthrus_rag.engine.engine" not in _imports(mods["orthrus_rag.engine.executor.loading"])

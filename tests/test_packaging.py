@@ -26,7 +26,7 @@ def test_wheel_is_namespaced_and_finds_its_configs(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     code = ("import orthrus_rag; assert orthrus_rag.__file__.startswith(%r), orthrus_rag.__file__\n"
-            "from orthrus_rag.cli import main\n"
+            "from orthrus_rag.entrypoints.cli import main\n"
             "main(['run', '--cfg', 'job', 'dataset=hotpotqa', 'retriever=hnsw'])" % str(target))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": ""},
                          capture_output=True, text=True, timeout=120)
@@ -48,7 +48,7 @@ def _check_faiss_extras(wheel: zipfile.ZipFile) -> None:
 
 
 def test_missing_faiss_is_a_config_error_naming_both_extras(monkeypatch):
-    from orthrus_rag.cli_errors import EXIT_CONFIG, describe_error
+    from orthrus_rag.entrypoints.cli_errors import EXIT_CONFIG, describe_error
     from orthrus_rag.retrievers.faiss_index import import_faiss
 
     monkeypatch.setitem(sys.modules, "faiss", None)  # an import of it now fails, as without the package

@@ -59,7 +59,7 @@ def test_no_retrieval_runs_once_without_passages():
 def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path, monkeypatch):
     """SmolLM2 generates, MiniLM embeds, both in one engine loop; all questions run concurrently. The query
     embeddings a question's next hop waits on reach the engine latency-critical (priority < 0); passages do not."""
-    from orthrus_rag import app
+    from orthrus_rag.entrypoints import commands as app
     from orthrus_rag.engine.engine import Engine
 
     embedded: list[tuple[str, int]] = []
@@ -97,7 +97,7 @@ def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path, monkeypatch):
 
 
 def test_prefix_caching_serves_the_shared_prompt_prefix_and_changes_no_answer(tmp_path: Path):
-    from orthrus_rag import app
+    from orthrus_rag.entrypoints import commands as app
 
     # NOTE: one question at a time: with several in flight, which rows share a step depends on timing, and fp32
     # GEMMs of different row counts differ in the last bits (a near-tie greedy token then flips under load)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orthrus_rag.config import SchedulerConfig
-from orthrus_rag.engine.policies import POLICIES, make_policy
+from orthrus_rag.engine.core.policies import POLICIES, make_policy
 from orthrus_rag.params import PoolingParams
 from tests.fake_steps import FakeEngine, make_request
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orthrus_rag import Engine, SamplingParams
-from orthrus_rag.engine.prefix_cache import PrefixCachingBlockManager
-from orthrus_rag.engine.request import Request, RequestKind
+from orthrus_rag.engine.core.prefix_cache import PrefixCachingBlockManager
+from orthrus_rag.engine.core.request import Request, RequestKind
 from tests.conftest import SMOL, engine_overrides
 from tests.fake_steps import make_request
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from orthrus_rag import app
+from orthrus_rag.entrypoints import commands as app
 from tests.test_app_config import _compose
 from tests.test_run_folder import _records, _strip
 import pytest
@@ -40,7 +40,7 @@ def _same(a, b) -> bool:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orthrus_rag.cli", "run", *args]
+    return [sys.executable, "-m", "orthrus_rag.entrypoints.cli", "run", *args]
 
 
 def _lines(path: Path) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orthrus_rag import app
+from orthrus_rag.entrypoints import commands as app
 from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.pipelines import IterRetGen
@@ -49,7 +49,7 @@ def _strip(obj):
 
 def test_10000_questions_against_a_queue_of_64_none_fails_for_lack_of_room(tmp_path):
     data = write_dataset(tmp_path / "d.jsonl", 10_000)
-    backend = fake_backend(max_pending=64)
+    backend = fake_backend(max_in_flight=64)
     summary = app.run(_cfg(data, tmp_path / "run"), backend=backend)
     assert summary["num_questions"] == 10_000 and summary["num_failed"] == 0 and summary["complete"]
     assert backend.engine.max_requests <= 64  # the queue never held more than it admits
@@ -67,7 +67,7 @@ def test_questions_in_flight_stay_bounded_and_memory_does_not_grow_with_the_data
 
     async def run(n: int) -> tuple[int, int]:
         engine = FakeEngine(max_num_seqs=16)
-        async with AsyncEngine(engine, max_pending=64) as aengine:
+        async with AsyncEngine(engine, max_in_flight=64) as aengine:
             pipeline = IterRetGen(aengine, None)
             examples = ((i, QAExample(f"q{i}", f"What is item {i}?", [f"item {i}"])) for i in range(n))
             tracemalloc.start()
@@ -99,7 +99,7 @@ def test_a_question_past_its_timeout_is_recorded_failed_and_its_request_aborted(
 
 
 def test_cli_exit_codes_and_failures_named(tmp_path, monkeypatch, capsys):
-    from orthrus_rag.cli import main
+    from orthrus_rag.entrypoints.cli import main
 
     monkeypatch.setattr(app, "build_backend", lambda cfg: fake_backend())
     ok = write_dataset(tmp_path / "ok.jsonl", 5)
@@ -121,7 +121,7 @@ def test_cli_exit_codes_and_failures_named(tmp_path, monkeypatch, capsys):
 def test_hub_failure_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys):
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from orthrus_rag.cli import main
+    from orthrus_rag.entrypoints.cli import main
 
     def offline(cfg):
         raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder; outgoing traffic has "
@@ -163,7 +163,7 @@ def _full_disk_after(monkeypatch, room: int) -> None:
 
 
 def test_full_disk_keeps_the_records_exits_1_and_resume_finishes_the_same_run(tmp_path, monkeypatch, capsys):
-    from orthrus_rag.cli import main
+    from orthrus_rag.entrypoints.cli import main
 
     monkeypatch.setattr(app, "build_backend", lambda cfg: fake_backend())
     data = write_dataset(tmp_path / "d.jsonl", 300)
@@ -198,7 +198,7 @@ def test_a_real_full_disk_on_a_tiny_tmpfs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     script = ("import sys; sys.path.insert(0, %r)\n"
-              "from orthrus_rag import app; from orthrus_rag.cli import main\n"
+              "from orthrus_rag.entrypoints import commands as app; from orthrus_rag.entrypoints.cli import main\n"
               "from tests.fake_engine import fake_backend\n"
               "app.build_backend = lambda cfg: fake_backend()\n"
               "sys.exit(main(['run', 'dataset=2wiki', 'dataset.path=%s', 'pipeline=no_retrieval', 'progress=false',"
@@ -234,7 +234,7 @@ def test_resume_drops_a_torn_last_line_and_refuses_another_config(tmp_path, monk
 
 def test_sweep_writes_one_run_folder_per_job_and_summarize_tables_them(tmp_path, monkeypatch, capsys):
     """`-m engine=orthrus,hetero_fcfs`: two jobs, two run folders under run_dir, each with its config."""
-    from orthrus_rag.cli import main
+    from orthrus_rag.entrypoints.cli import main
 
     monkeypatch.setattr(app, "build_backend", lambda cfg: fake_backend(policy=cfg.engine.policy))
     data = write_dataset(tmp_path / "d.jsonl", 30)
@@ -257,7 +257,7 @@ def test_sweep_writes_one_run_folder_per_job_and_summarize_tables_them(tmp_path,
 
 def test_concurrency_above_what_the_engine_admits_waits_instead_of_failing(tmp_path):
     data = write_dataset(tmp_path / "d.jsonl", 200)
-    backend = fake_backend(max_pending=8)
+    backend = fake_backend(max_in_flight=8)
     summary = app.run(_cfg(data, tmp_path / "run", "pipeline.max_concurrency=100"), backend=backend)
     assert summary["num_failed"] == 0 and summary["config"]["max_concurrency"] == 8
     assert backend.engine.max_requests <= 8

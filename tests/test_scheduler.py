@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from orthrus_rag.config import SchedulerConfig
-from orthrus_rag.engine.policies import POLICIES
-from orthrus_rag.engine.request import Request, RequestStatus
+from orthrus_rag.engine.core.policies import POLICIES
+from orthrus_rag.engine.core.request import Request, RequestStatus
 from tests.fake_steps import FakeEngine, fake_token, kind_key, make_request, max_blocks_needed
 
 

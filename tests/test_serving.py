@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import SERVED_MAX_PENDING, SERVED_REFERENCE_TEXTS
+from tests.conftest import SERVED_MAX_IN_FLIGHT, SERVED_REFERENCE_TEXTS
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
@@ -167,7 +167,7 @@ def test_disconnecting_plain_client_aborts_its_request(served):
 def test_full_queue_answers_429_with_retry_after(served):
     """One streaming request with n = the queue's size fills it (its choices are submitted together); while they
     decode, any further request is a 429 with Retry-After, and nothing of it reaches the engine."""
-    body = {"model": served.model, "messages": LONG, "max_tokens": 400, "temperature": 0, "n": SERVED_MAX_PENDING,
+    body = {"model": served.model, "messages": LONG, "max_tokens": 400, "temperature": 0, "n": SERVED_MAX_IN_FLIGHT,
             "stream": True}
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{served.url}/chat/completions", json=body) as resp:
@@ -175,12 +175,12 @@ def test_full_queue_answers_429_with_retry_after(served):
             for line in resp.iter_lines():  # until the first content: every choice is in the engine
                 if line.startswith("data:") and '"content":"' in line and '"content":""' not in line:
                     break
-            assert served.aengine.num_pending == SERVED_MAX_PENDING
+            assert served.aengine.num_pending == SERVED_MAX_IN_FLIGHT
             busy = http.post(f"{served.url}/embeddings", json={"model": served.embedding_model, "input": "x"})
             assert busy.status_code == 429
             assert busy.headers["retry-after"] == "1"
             assert busy.json()["error"]["type"] == "rate_limit_error"
-            assert served.aengine.num_pending == SERVED_MAX_PENDING
+            assert served.aengine.num_pending == SERVED_MAX_IN_FLIGHT
     _wait_idle(served)
 
 
@@ -245,12 +245,12 @@ def test_bad_embedding_requests(served):
 def test_a_request_that_can_never_fit_is_400_naming_the_limit_not_429(served, client):
     """More inputs (or prompts x choices) than the server ever holds at once: waiting cannot help, so no
     retryable 429; the official client gets a BadRequestError at once, naming the limit."""
-    limit = SERVED_MAX_PENDING
+    limit = SERVED_MAX_IN_FLIGHT
     too_many = httpx.post(f"{served.url}/embeddings", json={"model": served.embedding_model, "input": ["a"] * (limit + 1)})
     assert too_many.status_code == 400 and "retry-after" not in too_many.headers
     assert f"at most {limit}" in too_many.json()["error"]["message"]
     retrying = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=3, timeout=60)
-    with pytest.raises(openai.BadRequestError, match="engine.max_pending"):
+    with pytest.raises(openai.BadRequestError, match="engine.max_in_flight"):
         retrying.completions.create(model=served.model, prompt=["a", "b", "c"], n=3, max_tokens=1)
     fits = client.embeddings.create(model=served.embedding_model, input=["a"] * limit)  # exactly the limit: served
     assert len(fits.data) == limit
@@ -362,8 +362,8 @@ def test_api_key(served, monkeypatch):
     from fastapi.testclient import TestClient
 
     from orthrus_rag.engine.async_engine import AsyncEngine
-    from orthrus_rag.serving import build_app
-    from orthrus_rag.serving.server import resolve_api_key
+    from orthrus_rag.entrypoints.openai import build_app
+    from orthrus_rag.entrypoints.openai.server import resolve_api_key
 
     # NOTE: a second app over the same engine that never steps it (every request here stops before the engine)
     with TestClient(build_app(AsyncEngine(served.engine), api_key="sekret")) as http:
@@ -385,7 +385,7 @@ def test_api_key(served, monkeypatch):
     (["serve.default_max_tokens=0"], "serve.default_max_tokens must be at least 1"),
 ])
 def test_serve_command_refuses_bad_config_before_loading(overrides, message, tmp_path, capsys, monkeypatch):
-    from orthrus_rag.cli import main
+    from orthrus_rag.entrypoints.cli import main
 
     def no_model(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a model was loaded for a bad config")

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orthrus_rag.config import SchedulerConfig
-from orthrus_rag.engine.calibration import calibrate
-from orthrus_rag.engine.runner import RunnerOutput
-from orthrus_rag.engine.step_cost import StepCostModel, StepShape
+from orthrus_rag.engine.executor.calibration import calibrate
+from orthrus_rag.engine.executor.runner import RunnerOutput
+from orthrus_rag.engine.core.step_cost import StepCostModel, StepShape
 from tests.fake_steps import FakeEngine, make_request
 
 CAP = 128

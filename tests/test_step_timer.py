@@ -12,10 +12,10 @@ import torch
 from transformers import LlamaConfig
 
 from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
-from orthrus_rag.engine import step_timer
-from orthrus_rag.engine.calibration import calibrate
-from orthrus_rag.engine.runner import RunnerOutput
-from orthrus_rag.engine.step_cost import StepCostModel
+from orthrus_rag.engine.executor import step_timer
+from orthrus_rag.engine.executor.calibration import calibrate
+from orthrus_rag.engine.executor.runner import RunnerOutput
+from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.models.llama import CausalLM
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.engine.loop import EngineLoop, StepFailed
-from orthrus_rag.engine.request import RequestKind
+from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineQueueFull(RuntimeError):
-    """More unfinished requests than `max_pending`; retry later."""
+    """More unfinished requests than `max_in_flight`; retry later."""
 
 
 class RequestAborted(RuntimeError):
@@ -108,11 +108,11 @@ class _Outbox:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_pending: int = 1024) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+    def __init__(self, engine: Engine, max_in_flight: int = 1024) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._engine = engine
-        self.max_pending = max_pending
+        self.max_in_flight = max_in_flight
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -125,8 +125,8 @@ class AsyncEngine:
         self._outbox: list[tuple[_Sink, Any, bool]] = []
 
     @classmethod
-    def from_pretrained(cls, *args: Any, max_pending: int = 1024, **kwargs: Any) -> "AsyncEngine":
-        return cls(Engine.from_pretrained(*args, **kwargs), max_pending=max_pending)
+    def from_pretrained(cls, *args: Any, max_in_flight: int = 1024, **kwargs: Any) -> "AsyncEngine":
+        return cls(Engine.from_pretrained(*args, **kwargs), max_in_flight=max_in_flight)
 
     @property
     def engine(self) -> Engine:
@@ -227,8 +227,8 @@ class AsyncEngine:
         if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
-        if self._num_pending >= self.max_pending:
-            raise EngineQueueFull(f"{self._num_pending} requests are pending; the limit is {self.max_pending}")
+        if self._num_pending >= self.max_in_flight:
+            raise EngineQueueFull(f"{self._num_pending} requests are pending; the limit is {self.max_in_flight}")
         rid = request_id or f"async-{kind.value}-{next(self._ids)}"
         sink = _Sink(rid, queue=_Snapshots()) if stream else _Sink(rid, future=self._loop.create_future())
         self._num_pending += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orthrus_rag.engine.request import Request
+from orthrus_rag.engine.core.request import Request
 
 
 def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int], max_seq_len: int | None = None) -> str | None:

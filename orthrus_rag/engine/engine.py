@@ -18,19 +18,19 @@ from typing import Any
 import torch
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.engine.block_manager import BlockManager
-from orthrus_rag.engine.calibration import calibrate
+from orthrus_rag.engine.core.block_manager import BlockManager
+from orthrus_rag.engine.executor.calibration import calibrate
 from orthrus_rag.engine.detokenizer import stream_text, update_output
 from orthrus_rag.engine.handoff import restore_generator
 from orthrus_rag.engine.input_processor import InputProcessor
 from orthrus_rag.engine.loop import EngineLoop
-from orthrus_rag.engine.prefix_cache import PrefixCachingBlockManager
-from orthrus_rag.engine.request import Request, RequestKind, RequestStatus
+from orthrus_rag.engine.core.prefix_cache import PrefixCachingBlockManager
+from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.routing import EmbeddingRoute, route_embedding
-from orthrus_rag.engine.runner import ModelRunner
-from orthrus_rag.engine.scheduler import Scheduler, StepResult
+from orthrus_rag.engine.executor.runner import ModelRunner
+from orthrus_rag.engine.core.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.stats import StepStats
-from orthrus_rag.engine.step_cost import StepCostModel
+from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.layers.sampler import make_generator
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput, HandoffOutput, RequestMetrics
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -88,8 +88,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
         """Load the weights `config` names and build the engine (the one way every caller builds one)."""
-        from orthrus_rag.engine.loading import load_models
-        from orthrus_rag.engine.policies import check_policy
+        from orthrus_rag.engine.executor.loading import load_models
+        from orthrus_rag.engine.core.policies import check_policy
 
         check_policy(config.scheduler.policy)  # NOTE: before any weights load
         loaded = load_models(config)

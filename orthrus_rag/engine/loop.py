@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from orthrus_rag.engine.request import RequestKind
+from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.outputs import EngineOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 

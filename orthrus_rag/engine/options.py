@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from orthrus_rag.engine.policies import check_policy
+from orthrus_rag.engine.core.policies import check_policy
 
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orthrus_rag.engine.scheduler import SchedulerOutput
+from orthrus_rag.engine.core.scheduler import SchedulerOutput
 
 
 @dataclass

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(SCRIPTS))  # `bench` is scripts/bench/
     from hydra import compose, initialize_config_module
 
-    from orthrus_rag import app
+    from orthrus_rag.entrypoints import commands as app
     from orthrus_rag.app_config import register_configs
     from orthrus_rag.pipelines import format_table
 

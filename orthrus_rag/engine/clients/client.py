@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.loop import EngineLoop, StepFailed
-from orthrus_rag.engine.request import RequestKind
+from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.deploy.deployments import DEPLOYMENTS
 from orthrus_rag.engine.deploy.spec import build_engine_for
-from orthrus_rag.engine.policies import POLICIES
+from orthrus_rag.engine.core.policies import POLICIES
 from orthrus_rag.engine.stats import StepStats
 from orthrus_rag.outputs import EngineOutput, error_output
 from orthrus_rag.params import PoolingParams, SamplingParams

@@ -15,10 +15,10 @@ from typing import Any, Protocol, TypeVar
 
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.engine import Engine
-from orthrus_rag.serving import generation
-from orthrus_rag.serving.errors import OpenAIError
-from orthrus_rag.serving.schemas import ChatCompletionRequest, EmbeddingRequest
-from orthrus_rag.serving.service import OpenAIService, vector_of
+from orthrus_rag.entrypoints.openai import generation
+from orthrus_rag.entrypoints.openai.errors import OpenAIError
+from orthrus_rag.entrypoints.openai.schemas import ChatCompletionRequest, EmbeddingRequest
+from orthrus_rag.entrypoints.openai.service import OpenAIService, vector_of
 
 T = TypeVar("T")
 
@@ -58,8 +58,8 @@ class LocalOrthrus:
     _lock = threading.Lock()
 
     def __init__(self, engine: Engine | AsyncEngine, served_model_name: str | None = None,
-                 max_pending: int = 1024) -> None:
-        self.aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_pending=max_pending)
+                 max_in_flight: int = 1024) -> None:
+        self.aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_in_flight=max_in_flight)
         self.service = OpenAIService(self.aengine, served_model_name)
         self.generation_model = self.service.models.generation
         self.embedding_models = list(self.service.models.embedding)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def cli() -> list[str]:
     exe = Path(sys.executable).with_name("orthrus-rag")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "orthrus_rag.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "orthrus_rag.entrypoints.cli"]
 
 
 def app_overrides(cfg: DictConfig, run_dir: Path) -> list[str]:

@@ -29,7 +29,7 @@ def build_backend(cfg: Any):  # -> Backend
     from orthrus_rag.backends import EngineBackend, deployment_backend
 
     if cfg.engine.serving == "engine":
-        return EngineBackend(build_engine(cfg), max_pending=cfg.engine.max_pending)
+        return EngineBackend(build_engine(cfg), max_in_flight=cfg.engine.max_in_flight)
     threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
     logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
     return deployment_backend(cfg.engine.serving, engine_config_from(cfg), threads)
@@ -145,7 +145,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     finishes (`run_dir`, or the folder `resume` names: its recorded questions are skipped); returns the summary.
 
     `backend`: what serves the run (default: built from `cfg.engine`); it is closed at the end either way."""
-    from orthrus_rag.run_session import RunSession
+    from orthrus_rag.entrypoints.run_session import RunSession
 
     closing = _Closing(backend)
     session = None

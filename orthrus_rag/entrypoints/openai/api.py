@@ -14,12 +14,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orthrus_rag.engine.async_engine import AsyncEngine
-from orthrus_rag.serving import generation
-from orthrus_rag.serving.errors import OpenAIError, error_response, install_error_handlers
-from orthrus_rag.serving.metrics import ServerMetrics
-from orthrus_rag.serving.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard,
+from orthrus_rag.entrypoints.openai import generation
+from orthrus_rag.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
+from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
+from orthrus_rag.entrypoints.openai.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard,
                                          ModelList)
-from orthrus_rag.serving.service import OpenAIService
+from orthrus_rag.entrypoints.openai.service import OpenAIService
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from orthrus_rag.config import SchedulerConfig
-from orthrus_rag.engine.request import Request
+from orthrus_rag.engine.core.request import Request
 
 
 class SchedulerView(Protocol):

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orthrus_rag.engine.request import Request
-from orthrus_rag.engine.scheduler import SchedulerOutput
-from orthrus_rag.engine.cuda_graphs import DecodeGraphs
-from orthrus_rag.engine.step_timer import run_timed
+from orthrus_rag.engine.core.request import Request
+from orthrus_rag.engine.core.scheduler import SchedulerOutput
+from orthrus_rag.engine.executor.cuda_graphs import DecodeGraphs
+from orthrus_rag.engine.executor.step_timer import run_timed
 from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, select_backend
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context

@@ -1,7 +1,7 @@
 """Token-budget scheduler: who runs this step and with how many tokens. Never touches tensors.
 
 Order per step: running decodes (one token each), then the residual budget shared by the policy
-(orthrus_rag.engine.policies) between embedding and prompt work, in-flight chunked requests before new ones of
+(orthrus_rag.engine.core.policies) between embedding and prompt work, in-flight chunked requests before new ones of
 their kind, each chunked to fill what is left (`max_chunk_tokens` caps a chunk).
 Encoder requests (separate bidirectional model) run whole; their tokens cost `encoder_token_weight` each.
 When KV blocks run out, the newest running request is preempted (recompute).
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orthrus_rag.config import SchedulerConfig
-from orthrus_rag.engine.block_manager import BlockManager
-from orthrus_rag.engine.policies import Policy, make_policy
-from orthrus_rag.engine.request import Request, RequestStatus
-from orthrus_rag.engine.step_cost import StepCostModel, StepShape
+from orthrus_rag.engine.core.block_manager import BlockManager
+from orthrus_rag.engine.core.policies import Policy, make_policy
+from orthrus_rag.engine.core.request import Request, RequestStatus
+from orthrus_rag.engine.core.step_cost import StepCostModel, StepShape
 
 
 @dataclass

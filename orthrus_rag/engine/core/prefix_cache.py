@@ -17,8 +17,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from orthrus_rag.engine.block_manager import BlockManager
-from orthrus_rag.engine.request import Request, RequestKind
+from orthrus_rag.engine.core.block_manager import BlockManager
+from orthrus_rag.engine.core.request import Request, RequestKind
 
 
 class PrefixCachingBlockManager(BlockManager):

@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 
 from orthrus_rag.engine.async_engine import AsyncEngine
-from orthrus_rag.serving.api import build_app
+from orthrus_rag.entrypoints.openai.api import build_app
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "ORTHRUS_API_KEY"
@@ -37,7 +37,7 @@ def serve(cfg: Any) -> None:
         logger.warning("serving on %s: reachable from other machines%s", s.host,
                        "" if resolve_api_key(s.api_key) else " without an API key")
     engine = build_engine(cfg)
-    aengine = AsyncEngine(engine, max_pending=cfg.engine.max_pending)
+    aengine = AsyncEngine(engine, max_in_flight=cfg.engine.max_in_flight)
     app = build_app(aengine, s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens)
     uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level)
 

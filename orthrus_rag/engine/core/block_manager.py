@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from orthrus_rag.engine.request import Request
+from orthrus_rag.engine.core.request import Request
 
 
 class BlockManager:

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from orthrus_rag.outputs import GenerationOutput
-from orthrus_rag.serving.errors import OpenAIError, bad_request
-from orthrus_rag.serving.logprobs import chat_logprobs, completion_logprobs
-from orthrus_rag.serving.schemas import ChatCompletionRequest, CompletionRequest
-from orthrus_rag.serving.service import OpenAIService, as_prompts, new_id
+from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
+from orthrus_rag.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from orthrus_rag.entrypoints.openai.schemas import ChatCompletionRequest, CompletionRequest
+from orthrus_rag.entrypoints.openai.service import OpenAIService, as_prompts, new_id
 
 Runner = Callable[[Awaitable[Any]], Awaitable[Any]]
 

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from orthrus_rag.cli_errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from orthrus_rag.entrypoints.cli_errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 
 DEMO_PROMPTS = [
     "Question: Who wrote the novel Pride and Prejudice?\nAnswer:",
@@ -134,7 +134,7 @@ def _resume_overrides(argv: list[str]) -> list[str]:
 
 def _job(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
     """One Hydra job: errors a user can act on become one line and an exit code (a sweep's other jobs go on)."""
-    from orthrus_rag.cli_errors import describe_error
+    from orthrus_rag.entrypoints.cli_errors import describe_error
 
     try:
         cfg = _job_config(cfg)
@@ -190,10 +190,10 @@ def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)
 
 
 def _task(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
-    from orthrus_rag import app
+    from orthrus_rag.entrypoints import commands as app
 
     if command == "serve":
-        from orthrus_rag.serving import serve
+        from orthrus_rag.entrypoints.openai import serve
 
         serve(cfg)
         return EXIT_OK

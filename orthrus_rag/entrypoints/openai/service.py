@@ -19,9 +19,9 @@ import numpy as np
 from orthrus_rag.engine.async_engine import AsyncEngine, EngineQueueFull, EngineShutdown, RequestAborted
 from orthrus_rag.outputs import GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
-from orthrus_rag.serving.errors import OpenAIError, bad_request
-from orthrus_rag.serving.metrics import ServerMetrics
-from orthrus_rag.serving.schemas import MAX_INPUTS, MAX_TEXT_CHARS, EmbeddingRequest, ModelCard, ModelList
+from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
+from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
+from orthrus_rag.entrypoints.openai.schemas import MAX_INPUTS, MAX_TEXT_CHARS, EmbeddingRequest, ModelCard, ModelList
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
@@ -172,10 +172,10 @@ class OpenAIService:
     def _reserve(self, n: int) -> None:
         """Room for `n` more requests under the AsyncEngine's pending limit, or an error (nothing is submitted
         then): a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429."""
-        limit, pending = self.aengine.max_pending, self.aengine.num_pending
+        limit, pending = self.aengine.max_in_flight, self.aengine.num_pending
         if n > limit:
             raise bad_request(f"this request needs {n} engine requests (one per input, prompt and choice); the "
-                              f"server takes at most {limit} at a time (engine.max_pending): split it")
+                              f"server takes at most {limit} at a time (engine.max_in_flight): split it")
         if pending + n > limit:
             raise OpenAIError(429, f"the server is busy ({pending} requests pending, the limit is {limit}); retry "
                               "later", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})

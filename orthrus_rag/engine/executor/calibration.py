@@ -6,9 +6,9 @@ import logging
 import time
 from typing import Any
 
-from orthrus_rag.engine.request import Request, RequestKind
-from orthrus_rag.engine.scheduler import ScheduledRequest, SchedulerOutput
-from orthrus_rag.engine.step_cost import StepCostModel
+from orthrus_rag.engine.core.request import Request, RequestKind
+from orthrus_rag.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.params import PoolingParams
 
 logger = logging.getLogger(__name__)
