@@ -174,10 +174,10 @@ def deployment_backend(serving: str, config: Any, threads: tuple[int, ...]) -> C
     deployment = DEPLOYMENTS[serving](config, threads)
     mc = config.model
     try:
-        tokenizer = load_tokenizer(mc.model)
+        tokenizer = load_tokenizer(mc.name)
         encoder_pooling = encoder_pooling_of(mc.embedding_model)
     except BaseException:
         deployment.shutdown()
         raise
     return ClientBackend(f"{serving} {threads}", ClientBridge(deployment, name=f"{serving}-bridge"), tokenizer,
-                         mc.model, mc.embedding_model, list(mc.embedding_adapters), encoder_pooling)
+                         mc.name, mc.embedding_model, list(mc.embedding_adapters), encoder_pooling)

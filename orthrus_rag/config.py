@@ -12,9 +12,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 @dataclass
 class ModelConfig:
-    """Which weights to run. `model` is a built-in name, a local folder, a GGUF file or a hub id."""
+    """Which weights to run. `name` is a built-in name, a local folder, a GGUF file or a hub id."""
 
-    model: str = "smollm2-135m-instruct"
+    name: str = "smollm2-135m-instruct"
     embedding_adapters: list[str] = field(default_factory=list)  # PEFT folders; the first is the default
     embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere (bf16 is not faster on CPUs without AMX)

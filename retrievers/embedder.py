@@ -129,7 +129,7 @@ class EngineEmbedder(EmbedderMethods):
                 dimension = int(self._embed_sync(["dimension probe"], doc).shape[1])
             else:
                 dimension = self.engine.embedding_dimension(route)
-        return pooling_identity("engine", mc.model, mc.embedding_model if route.on_encoder else None,
+        return pooling_identity("engine", mc.name, mc.embedding_model if route.on_encoder else None,
                                 list(mc.embedding_adapters), route.adapter, doc, query, dimension)
 
     # ---- sync -------------------------------------------------------------------------------------------

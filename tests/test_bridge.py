@@ -195,7 +195,7 @@ def test_client_embedder_matches_the_engine_embedder(engine) -> None:
     reference = EngineEmbedder(engine, document_params=doc, query_params=query)
     bridge = ClientBridge(InProcessClient(engine))
     try:
-        embedder = ClientEmbedder(bridge, engine.config.model.model, document_params=doc, query_params=query)
+        embedder = ClientEmbedder(bridge, engine.config.model.name, document_params=doc, query_params=query)
         # NOTE: the same identity, so an index built in-process serves a deployment of the same engine
         assert embedder.identity == reference.identity
         np.testing.assert_allclose(embedder.embed_documents(docs), reference.embed_documents(docs), atol=1e-5)

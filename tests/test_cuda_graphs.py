@@ -38,7 +38,7 @@ def _model(sliding: bool) -> CausalLM:
 
 
 def _engine(model: CausalLM) -> Engine:
-    cfg = EngineConfig(model=ModelConfig(model="tiny", device="cpu"),
+    cfg = EngineConfig(model=ModelConfig(name="tiny", device="cpu"),
                        cache=CacheConfig(block_size=4, num_blocks=256),
                        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_chunk_tokens=16, max_num_seqs=32,
                                                  cost_budget=False))

@@ -98,7 +98,7 @@ def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _engine(model: torch.nn.Module, chunk: int, budget: int | None = None) -> Engine:
-    cfg = EngineConfig(model=ModelConfig(model="tiny", dtype="float32", device="cpu"),
+    cfg = EngineConfig(model=ModelConfig(name="tiny", dtype="float32", device="cpu"),
                        cache=CacheConfig(block_size=16, num_blocks=64),
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget or max(chunk, 16),
                                                  max_chunk_tokens=chunk))

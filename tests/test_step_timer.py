@@ -85,7 +85,7 @@ def test_the_engine_gives_the_cost_model_the_runners_step_time():
     torch.manual_seed(0)
     model = CausalLM(cfg).eval()
     tokenizer = type("Tok", (), {"eos_token_id": 63, "decode": lambda self, ids, **kw: " ".join(map(str, ids))})()
-    engine = Engine(EngineConfig(model=ModelConfig(model="tiny", device="cpu"),
+    engine = Engine(EngineConfig(model=ModelConfig(name="tiny", device="cpu"),
                                  cache=CacheConfig(block_size=4, num_blocks=64),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=32, cost_budget=True)),
                     model, tokenizer)

@@ -22,7 +22,7 @@ def engine_config(model: str = "smollm2-135m-instruct", embedding_adapters: str 
     """An `EngineConfig` from a model and options named like the fields of its sub-configs; an unknown name or
     policy is a ValueError before any weights load."""
     adapters = [embedding_adapters] if isinstance(embedding_adapters, str) else list(embedding_adapters or [])
-    parts: dict[str, Any] = {"model": ModelConfig(model=model, embedding_adapters=adapters,
+    parts: dict[str, Any] = {"model": ModelConfig(name=model, embedding_adapters=adapters,
                                                   embedding_model=embedding_model),
                              "cache": CacheConfig(), "scheduler": SchedulerConfig()}
     top: dict[str, Any] = {}

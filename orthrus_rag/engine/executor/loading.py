@@ -39,7 +39,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     mc = config.model
-    path = resolve_model_path(mc.model)
+    path = resolve_model_path(mc.name)
     logger.info("loading decoder from %s", path)
     model = load_decoder(path, mc.torch_dtype, mc.device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -37,7 +37,7 @@ class ServedModels:
     @classmethod
     def of(cls, engine: Any, served_model_name: str | None = None) -> "ServedModels":
         mc = engine.config.model
-        gen = served_model_name or mc.model
+        gen = served_model_name or mc.name
         emb: dict[str, str | None] = {}
         if engine.has_encoder:
             emb[mc.embedding_model] = None
