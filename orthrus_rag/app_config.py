@@ -3,17 +3,20 @@ wrong types fail at compose time, and `validate` catches bad values before any m
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orthrus_rag.backends import SERVINGS
+from orthrus_rag.engine.deploy import DEPLOYMENTS
 from orthrus_rag.data.loaders import DATASETS as _DATASET_SPECS
 from orthrus_rag.pipelines.iter_retgen import PIPELINES
 from orthrus_rag.retrievers.faiss_index import INDEX_TYPES
 
 # NOTE: the names come from the modules that implement them, so a new dataset/index/pipeline needs no edit here
+logger = logging.getLogger(__name__)
 DATASETS = tuple(_DATASET_SPECS)
+SERVINGS = ("engine", *DEPLOYMENTS)  # one co-scheduled engine, or a two-process deployment of it
 
 
 @dataclass
@@ -196,6 +199,19 @@ def build_engine(cfg: Any):  # -> Engine
     from orthrus_rag.engine.engine import Engine
 
     return Engine.from_config(engine_config_from(cfg))
+
+
+def build_client(cfg: Any):  # -> EngineClient
+    """The `EngineClient` that `run`, `index` and `serve` go through. `engine.serving`: `engine` (one co-scheduled
+    engine, an `AsyncEngine`) or a two-process deployment of it."""
+    from orthrus_rag.engine.async_engine import AsyncEngine
+    from orthrus_rag.engine.clients import start_deployment
+
+    if cfg.engine.serving == "engine":
+        return AsyncEngine(build_engine(cfg), max_in_flight=cfg.engine.max_in_flight)
+    threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
+    logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
+    return start_deployment(cfg.engine.serving, engine_config_from(cfg), threads)
 
 
 def engine_config_from(cfg: Any):  # -> EngineConfig: the one engine, or each worker's of a deployment

@@ -1,4 +1,4 @@
-"""Iter-RetGen (Shao et al., 2023), standard RAG and no-retrieval, against the co-scheduled async engine.
+"""Iter-RetGen (Shao et al., 2023), standard RAG and no-retrieval, through any `EngineClient`.
 
 Iteration t retrieves with the previous generation placed before the question (y_{t-1} || q), then generates
 from the retrieved paragraphs and the question (the previous output is not in the prompt). Questions run
@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from typing import Any, Protocol
 
 from orthrus_rag.data.types import Passage, QAExample
+from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
 from orthrus_rag.pipelines.answers import parse_answer
 from orthrus_rag.pipelines.metrics import answer_scores, recall_at_k
@@ -30,9 +31,6 @@ REQUESTS_PER_QUESTION = 1  # a question waits on one query embedding or one gene
 class AsyncRetriever(Protocol):
     async def asearch(self, query: str, k: int = 5) -> list[tuple[Passage, float]]: ...
 
-
-class AsyncGenerator(Protocol):
-    async def generate(self, prompt: str, params: SamplingParams | None = None) -> Any: ...
 
 
 def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> int:
@@ -49,7 +47,7 @@ def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> 
 def _is_fatal(exc: BaseException) -> bool:
     """The serving system is gone (shut down, a dead worker): stop the run rather than fail every question."""
     from orthrus_rag.engine.async_engine import EngineShutdown
-    from orthrus_rag.engine.clients.bridge import ClientFailed
+    from orthrus_rag.engine.clients.deployment_client import ClientFailed
 
     return isinstance(exc, (EngineShutdown, ClientFailed))
 
@@ -61,7 +59,7 @@ class IterRetGen:
     `question_timeout_s`: a question still unanswered this long after it started is recorded as failed and its
     requests are aborted (None: no limit)."""
 
-    def __init__(self, engine: AsyncGenerator, retriever: AsyncRetriever | None, iterations: int = 2, k: int = 5,
+    def __init__(self, client: EngineClient, retriever: AsyncRetriever | None, iterations: int = 2, k: int = 5,
                  sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
                  question_timeout_s: float | None = None) -> None:
@@ -73,13 +71,13 @@ class IterRetGen:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         if question_timeout_s is not None and question_timeout_s <= 0:
             raise ValueError(f"question_timeout_s must be positive, got {question_timeout_s}")
-        self.engine = engine
+        self.client = client  # NOTE: only its `generate` and `max_in_flight` are used (LangChain passes a chat model's)
         self.retriever = retriever
         self.iterations = iterations if retriever is not None else 1
         self.k = k
         self.sampling_params = sampling_params or SamplingParams(max_tokens=96, temperature=0.0)
         self.chat_template = chat_template  # a tokenizer with apply_chat_template, or None for plain text
-        capacity = getattr(engine, "max_in_flight", None) or 64
+        capacity = getattr(client, "max_in_flight", None) or 64
         self.max_concurrency = max_concurrency or default_concurrency(capacity)
         self.recall_ks = recall_ks
         self.question_timeout_s = question_timeout_s
@@ -111,7 +109,7 @@ class IterRetGen:
             t1 = time.perf_counter()
             prompt = self._render(build_prompt(ex.question, [p for p, _ in retrieved]
                                                if self.retriever is not None else None))
-            out = await self.engine.generate(prompt, self.sampling_params)
+            out = await self.client.generate(prompt, self.sampling_params)
             t2 = time.perf_counter()
             previous = out.text.strip()
             parsed = parse_answer(previous, ex.question)

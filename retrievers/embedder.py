@@ -1,11 +1,10 @@
-"""The embedding seam of retrieval: an `Embedder` protocol and `EngineEmbedder`, which embeds through an engine."""
+"""The embedding seam of retrieval: an `Embedder` protocol and `EngineEmbedder`, which embeds through any
+`EngineClient`."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
@@ -14,8 +13,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.engine.engine import Engine
-from orthrus_rag.engine.routing import EmbeddingRoute
 from orthrus_rag.params import PoolingParams
 
 logger = logging.getLogger(__name__)
@@ -90,86 +89,47 @@ class EmbedderMethods:
 
 
 class EngineEmbedder(EmbedderMethods):
-    """An `Embedder` over an orthrus `Engine` (sync) or `AsyncEngine`.
+    """The one `Embedder` over an `EngineClient` (engine/clients/protocol.py): the in-process `AsyncEngine`, a
+    deployment's `DeploymentClient`, a peer or a `RemoteClient`. A bare `Engine` is taken as its `AsyncEngine`.
 
     Documents and queries pool with their own `PoolingParams` (e.g. queries with an instruction prefix); both
-    must run on the same model and adapter. Defaults: the engine's encoder pooling when it has a separate
-    embedding model, else mean pooling with L2 normalisation on the decoder.
-    """
+    must route to the same model and adapter. Defaults: the client's default pooling (the encoder's own when it
+    has a separate embedding model, else mean pooling with L2 normalisation on the decoder). The vectors'
+    dimension is asked of the client once (a pooling head may change it)."""
 
-    def __init__(self, engine: Engine | AsyncEngine, document_params: PoolingParams | None = None,
+    def __init__(self, client: EngineClient | Engine, document_params: PoolingParams | None = None,
                  query_params: PoolingParams | None = None, batch_size: int = 256,
                  dimension: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self.aengine = engine if isinstance(engine, AsyncEngine) else None
-        self.engine: Engine = engine.engine if isinstance(engine, AsyncEngine) else engine
-        if self.aengine is not None:  # NOTE: embed_many submits a whole batch; stay under the pending cap
-            batch_size = min(batch_size, self.aengine.max_in_flight)
-        self.batch_size = batch_size
-        self.document_params = document_params or self.engine.default_pooling_params()
+        self.client: EngineClient = AsyncEngine(client) if isinstance(client, Engine) else client
+        # NOTE: embed_many submits a whole batch; stay under the client's in-flight limit
+        self.batch_size = min(batch_size, self.client.max_in_flight)
+        space = self.client.embedding_space
+        self.document_params = document_params or space.default_pooling()
         self.query_params = query_params or replace(self.document_params)
         for params in (self.document_params, self.query_params):
             if params.pooling == "all" and params.head is None:
                 raise ValueError("pooling='all' without a head gives one vector per token; pass a head")
-        route = self.engine.embedding_route(self.document_params)
-        if route != self.engine.embedding_route(self.query_params):
+        route = space.route(self.document_params)
+        if route != space.route(self.query_params):
             raise ValueError(f"documents embed on {route.name} but queries on "
-                             f"{self.engine.embedding_route(self.query_params).name}; "
-                             "both must use the same model and adapter")
-        self._lock = threading.Lock()  # the sync Engine is not thread-safe (aembed_* run it in threads)
-        self.identity: dict[str, Any] = self._identity(route, dimension)
-
-    # ---- identity ---------------------------------------------------------------------------------------
-    def _identity(self, route: EmbeddingRoute, dimension: int | None) -> dict[str, Any]:
-        mc = self.engine.config.model
-        doc, query = self.document_params, self.query_params
+                             f"{space.route(self.query_params).name}; both must use the same model and adapter")
+        if dimension is None and self.document_params.pooling != "all":  # NOTE: a head may change the width
+            dimension = space.dimension(route)
         if dimension is None:
-            if doc.pooling == "all":  # a head may change the width: ask the engine once
-                dimension = int(self._embed_sync(["dimension probe"], doc).shape[1])
-            else:
-                dimension = self.engine.embedding_dimension(route)
-        return pooling_identity("engine", mc.name, mc.embedding_model if route.on_encoder else None,
-                                list(mc.embedding_adapters), route.adapter, doc, query, dimension)
+            dimension = int(self._embed_sync(["dimension probe"], self.document_params).shape[1])
+        self.identity: dict[str, Any] = pooling_identity(
+            space.kind, space.model, space.embedding_model if route.on_encoder else None, list(space.adapters),
+            route.adapter, self.document_params, self.query_params, dimension)
 
-    # ---- sync -------------------------------------------------------------------------------------------
     def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
-        if self.aengine is not None:
-            return self._embed_via_async(texts, params)
-        parts = []
-        for chunk in batches(texts, self.batch_size, "embedding"):
-            with self._lock:
-                parts.append(_stack(self.engine.embed(list(chunk), params)))
-        return _concat(parts)
+        return _concat([_stack(self.client.embed_sync(list(chunk), params))
+                        for chunk in batches(texts, self.batch_size, "embedding")])
 
-    def _embed_via_async(self, texts: list[str], params: PoolingParams) -> np.ndarray:
-        refuse_inside_event_loop()
-        # NOTE: the AsyncEngine starts its loop thread on first use; until then the sync engine is ours to run
-        loop = self.aengine.loop
-        if loop is None:
-            return _concat([_stack(self.engine.embed(list(c), params))
-                            for c in batches(texts, self.batch_size, "embedding")])
-        if loop.is_closed() or not loop.is_running():
-            raise RuntimeError("the AsyncEngine's event loop is not running; embed from inside it (async API)")
-        return asyncio.run_coroutine_threadsafe(self._aembed(texts, params), loop).result()
-
-    # ---- async ------------------------------------------------------------------------------------------
     async def _aembed(self, texts: list[str], params: PoolingParams) -> np.ndarray:
-        if self.aengine is None:  # a sync engine: run it off the event loop
-            return await asyncio.to_thread(self._embed_sync, texts, params)
-        parts = [_stack(await self.aengine.embed_many(list(c), params))
-                 for c in batches(texts, self.batch_size, "embedding")]
-        return _concat(parts)
-
-
-def refuse_inside_event_loop() -> None:
-    """Blocking embedding calls from inside a running event loop would stall the loop they wait on."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    raise RuntimeError("sync embedding inside a running event loop would block it; "
-                       "await aembed_documents / aembed_query instead")
+        return _concat([_stack(await self.client.embed_many(list(chunk), params))
+                        for chunk in batches(texts, self.batch_size, "embedding")])
 
 
 def pooling_identity(kind: str, model: str, embedding_model: str | None, adapters: list[str], adapter: str | None,

@@ -1,4 +1,4 @@
-"""A model-free stand-in for `Engine` behind the real `AsyncEngine` (and `EngineBackend`), for run-level tests
+"""A model-free stand-in for `Engine` behind the real `AsyncEngine` (an `EngineClient`), for run-level tests
 where the model is not the point: thousands of questions, timeouts, full disks, sweeps.
 
 Each generation finishes after `steps_per_request` steps (at most `max_num_seqs` requests advance per step) with
@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.engine.stats import StepStats
 from orthrus_rag.outputs import GenerationOutput
 
@@ -54,6 +55,7 @@ class FakeEngine:
     def __init__(self, steps_per_request: int = 2, max_num_seqs: int = 64, policy: str = "orthrus") -> None:
         self.steps_per_request, self.max_num_seqs = steps_per_request, max_num_seqs
         self.config = SimpleNamespace(scheduler=SimpleNamespace(policy=policy))
+        self.embedding_space = EmbeddingSpace("fake")
         self.tokenizer = SimpleNamespace(chat_template=None)
         self.encoder_pooling: dict = {}
         self.block_manager = SimpleNamespace()
@@ -111,7 +113,7 @@ class FakeEngine:
         return outputs
 
 
-def fake_backend(max_in_flight: int = 64, **kwargs: Any):  # -> EngineBackend over a FakeEngine
-    from orthrus_rag.backends import EngineBackend
+def fake_client(max_in_flight: int = 64, **kwargs: Any):  # -> AsyncEngine over a FakeEngine
+    from orthrus_rag.engine.async_engine import AsyncEngine
 
-    return EngineBackend(FakeEngine(**kwargs), max_in_flight=max_in_flight)
+    return AsyncEngine(FakeEngine(**kwargs), max_in_flight=max_in_flight)

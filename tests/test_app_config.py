@@ -58,7 +58,7 @@ def test_bad_config_fails_before_any_model_loads(overrides, message, monkeypatch
         raise AssertionError("a model was loaded for a bad config")
 
     monkeypatch.setattr("orthrus_rag.Engine.from_config", no_model)
-    monkeypatch.setattr("orthrus_rag.backends.deployment_backend", no_model)
+    monkeypatch.setattr("orthrus_rag.engine.clients.start_deployment", no_model)
     cfg = _compose(*overrides, f"run_dir={tmp_path}")
     with pytest.raises(ValueError, match=message):
         app.run(cfg)

@@ -41,7 +41,7 @@ def test_many_concurrent_callers_match_sync(engine):
             gens = asyncio.gather(*(aeng.generate(p, SP) for p in prompts))
             embs = aeng.embed_many(texts)
             got_gen, got_emb = await asyncio.gather(gens, embs)
-            assert aeng.num_pending == 0
+            assert aeng.num_in_flight == 0
             return got_gen, got_emb, list(engine.step_stats)[-(engine.num_steps - first):]
 
     got_gen, got_emb, steps = asyncio.run(main())
@@ -93,7 +93,7 @@ def test_abort_in_flight_frees_blocks_and_spares_others(engine):
                     assert await aeng.abort("s")
             assert outs[-1].finished and outs[-1].finish_reason == "abort"
             assert not any(o.finished for o in outs[:-1]) and outs[-1].token_ids[:2] == outs[1].token_ids
-            assert aeng.num_pending == 0
+            assert aeng.num_in_flight == 0
 
     asyncio.run(main())
 
@@ -104,7 +104,7 @@ def test_leaving_a_stream_or_cancelling_aborts(engine):
             async for _ in aeng.generate_stream("Once upon a time", LONG):
                 break
             left_at = engine.num_steps
-            await wait_for(lambda: aeng.num_pending == 0 and not engine.has_unfinished())
+            await wait_for(lambda: aeng.num_in_flight == 0 and not engine.has_unfinished())
             assert engine.num_steps - left_at < 50  # aborted: LONG needs 500 decode steps
 
             async def consume():
@@ -117,7 +117,7 @@ def test_leaving_a_stream_or_cancelling_aborts(engine):
                 cancelled_at = engine.num_steps
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                await wait_for(lambda: aeng.num_pending == 0 and not engine.has_unfinished())
+                await wait_for(lambda: aeng.num_in_flight == 0 and not engine.has_unfinished())
                 assert engine.block_manager.num_used_blocks == 0
                 # the abort, not the request running out: LONG needs 500 decode steps
                 assert engine.num_steps - cancelled_at < 50
@@ -145,11 +145,11 @@ def test_queue_full(engine):
         async with AsyncEngine(engine, max_in_flight=3) as aeng:
             tasks = [asyncio.create_task(aeng.generate(f"prompt {i}", SP)) for i in range(3)]
             await asyncio.sleep(0)
-            assert aeng.num_pending == 3
+            assert aeng.num_in_flight == 3
             with pytest.raises(EngineQueueFull, match="3 requests are pending; the limit is 3"):
                 await aeng.embed("one too many")
             await asyncio.gather(*tasks)
-            assert aeng.num_pending == 0
+            assert aeng.num_in_flight == 0
             await aeng.embed("room again")
 
     asyncio.run(main())
@@ -190,6 +190,6 @@ def test_shutdown_fails_pending_and_leaves_no_thread(engine):
         await aeng.shutdown()
         with pytest.raises(EngineShutdown):
             await aeng.embed("too late")
-        assert aeng.num_pending == 0 and not await aeng.abort("anything")
+        assert aeng.num_in_flight == 0 and not await aeng.abort("anything")
 
     asyncio.run(main())

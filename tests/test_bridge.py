@@ -1,4 +1,4 @@
-"""ClientBridge and ClientEmbedder: awaitable generate / embed over any ServingClient, errors kept per request."""
+"""DeploymentClient (an EngineClient over any ServingClient) and the Embedder over it: errors kept per request."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 
 from orthrus_rag import PoolingParams, SamplingParams
 from orthrus_rag.data.types import QAExample
-from orthrus_rag.engine.clients import ClientBridge, ClientFailed, InProcessClient, RequestFailed
+from orthrus_rag.engine.clients import DeploymentClient, ClientFailed, InProcessClient, RequestFailed
 from orthrus_rag.engine.deploy import WorkerError
 from orthrus_rag.pipelines import IterRetGen
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.retrievers import ClientEmbedder, EngineEmbedder
+from orthrus_rag.retrievers import EngineEmbedder
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
@@ -77,7 +77,7 @@ class FakeClient:
 
 def test_results_reach_their_callers_and_the_client_stays_on_one_thread() -> None:
     client = FakeClient()
-    with ClientBridge(client, poll_s=0.01) as bridge:
+    with DeploymentClient(client, poll_s=0.01) as bridge:
         async def main():
             return await asyncio.gather(bridge.generate("abc"), bridge.embed_many(["x", "yyy"]),
                                         bridge.generate("d"))
@@ -85,12 +85,12 @@ def test_results_reach_their_callers_and_the_client_stays_on_one_thread() -> Non
         assert (gen.text, gen2.text) == ("ABC", "D")
         assert [e.embedding[0].item() for e in embs] == [1.0, 3.0]
         assert bridge.generate_sync("sync").text == "SYNC"  # blocking use from a plain thread
-    assert client.threads == {"client-bridge"} and client.shut == 1
+    assert client.threads == {"deployment-pump"} and client.shut == 1
 
 
 def test_failures_stay_with_their_request() -> None:
     client = FakeClient()
-    with ClientBridge(client, poll_s=0.01) as bridge:
+    with DeploymentClient(client, poll_s=0.01) as bridge:
         futures = {t: bridge.submit("generate", t) for t in ("ok", "bad", "reject", "error", "ok2")}
         assert futures["ok"].result(5).text == "OK" and futures["ok2"].result(5).text == "OK2"
         with pytest.raises(RequestFailed, match="input is bad"):
@@ -102,13 +102,13 @@ def test_failures_stay_with_their_request() -> None:
         with pytest.raises(RequestFailed, match="pooling failed"):
             bridge.embed_sync(["fine", "error"], timeout_s=5)
         assert bridge.embed_sync(["still serving"], timeout_s=5)[0].embedding[0].item() == 13.0
-    with ClientBridge(FakeClient()) as bridge, pytest.raises(ValueError, match="unknown request kind"):
+    with DeploymentClient(FakeClient()) as bridge, pytest.raises(ValueError, match="unknown request kind"):
         bridge.submit("classify", "x")
 
 
 def test_a_failed_client_fails_every_waiting_request_and_refuses_new_ones() -> None:
     client = FakeClient(delay=1000)
-    bridge = ClientBridge(client, poll_s=0.01)
+    bridge = DeploymentClient(client, poll_s=0.01)
     waiting = [bridge.submit("generate", "slow") for _ in range(3)]
     crash = bridge.submit("embed", "crash")
     for f in [*waiting, crash]:
@@ -122,7 +122,7 @@ def test_a_failed_client_fails_every_waiting_request_and_refuses_new_ones() -> N
 
 
 def test_a_client_that_fails_at_submit_fails_that_request_too() -> None:
-    bridge = ClientBridge(FakeClient(delay=1000), poll_s=0.01)
+    bridge = DeploymentClient(FakeClient(delay=1000), poll_s=0.01)
     slow = bridge.submit("generate", "slow")
     dead = bridge.submit("generate", "dead")
     for f in (slow, dead):  # none is left waiting forever
@@ -136,13 +136,13 @@ def test_a_failed_client_stops_the_pipeline_run_instead_of_failing_every_questio
     and resume= continues it) rather than recording every remaining question as failed."""
     client = FakeClient(delay=1000)
     examples = [QAExample(f"q{i}", f"question {i}?", ["x"]) for i in range(3)]
-    with ClientBridge(client, poll_s=0.01, stall_timeout_s=0.5) as bridge:
+    with DeploymentClient(client, poll_s=0.01, stall_timeout_s=0.5) as bridge:
         with pytest.raises(ClientFailed, match="no output for 0.5 s"):
             asyncio.run(IterRetGen(bridge, None).run(examples))
 
 
 def test_stall_and_shutdown_are_bounded() -> None:
-    bridge = ClientBridge(FakeClient(), poll_s=0.01, stall_timeout_s=0.3)
+    bridge = DeploymentClient(FakeClient(), poll_s=0.01, stall_timeout_s=0.3)
     t0 = time.monotonic()
     with pytest.raises(ClientFailed, match="TimeoutError: no output for") as info:
         bridge.submit("generate", "never").result(5)
@@ -150,7 +150,7 @@ def test_stall_and_shutdown_are_bounded() -> None:
     assert time.monotonic() - t0 < 3
     bridge.shutdown()
 
-    bridge = ClientBridge(FakeClient(delay=10**6), poll_s=0.01)
+    bridge = DeploymentClient(FakeClient(delay=10**6), poll_s=0.01)
     pending: Future = bridge.submit("generate", "slow")
     bridge.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
@@ -165,7 +165,7 @@ def test_max_in_flight_holds_the_rest_in_the_bridge() -> None:
     seen: list[int] = []
     poll = client.poll
     client.poll = lambda t: (seen.append(len(client.pending)), poll(t))[1]  # type: ignore[method-assign]
-    with ClientBridge(client, poll_s=0.01, max_in_flight=4) as bridge:
+    with DeploymentClient(client, poll_s=0.01, max_in_flight=4) as bridge:
         outs = bridge.embed_sync([f"t{i}" for i in range(20)], timeout_s=10)
     assert len(outs) == 20 and max(seen) <= 4
 
@@ -175,7 +175,7 @@ def test_bridge_over_the_engine_matches_engine_run(engine) -> None:
     prompts = ["The capital of France is", "One, two, three,"]
     texts = ["rivers and mountains", "a short note"]
     want_gen, want_emb = engine.run(prompts, GREEDY, texts, PoolingParams())
-    bridge = ClientBridge(InProcessClient(engine))
+    bridge = DeploymentClient(InProcessClient(engine))
     try:
         async def main():
             return await asyncio.gather(*(bridge.generate(p, GREEDY) for p in prompts), bridge.embed_many(texts))
@@ -189,13 +189,13 @@ def test_bridge_over_the_engine_matches_engine_run(engine) -> None:
         bridge.shutdown(close_client=False)  # the shared engine stays up for other tests
 
 
-def test_client_embedder_matches_the_engine_embedder(engine) -> None:
+def test_the_embedder_over_a_deployment_matches_it_in_process(engine) -> None:
     docs = ["Paris is the capital of France.", "The Nile flows north."]
     doc, query = PoolingParams(), PoolingParams(instruction="query: ")
     reference = EngineEmbedder(engine, document_params=doc, query_params=query)
-    bridge = ClientBridge(InProcessClient(engine))
+    bridge = DeploymentClient(InProcessClient(engine), embedding_space=engine.embedding_space)
     try:
-        embedder = ClientEmbedder(bridge, engine.config.model.name, document_params=doc, query_params=query)
+        embedder = EngineEmbedder(bridge, document_params=doc, query_params=query)
         # NOTE: the same identity, so an index built in-process serves a deployment of the same engine
         assert embedder.identity == reference.identity
         np.testing.assert_allclose(embedder.embed_documents(docs), reference.embed_documents(docs), atol=1e-5)
@@ -205,19 +205,24 @@ def test_client_embedder_matches_the_engine_embedder(engine) -> None:
         bridge.shutdown(close_client=False)
 
 
-def test_client_backend_embeds_like_the_engine_on_a_separate_encoder() -> None:
+def test_a_deployment_client_embeds_like_the_engine_on_a_separate_encoder() -> None:
     from orthrus_rag import Engine
-    from orthrus_rag.backends import ClientBackend, EngineBackend
+    from orthrus_rag.engine.async_engine import AsyncEngine
+    from orthrus_rag.engine.clients.deployment_client import encoder_pooling_of
+    from orthrus_rag.engine.routing import EmbeddingSpace
     from tests.conftest import MINILM, SMOL, engine_overrides
 
     engine = Engine.from_pretrained(SMOL, embedding_model=MINILM, **engine_overrides())
-    local = EngineBackend(engine)
-    doc = PoolingParams(**local.encoder_pooling, truncate=True)
-    query = PoolingParams(**local.encoder_pooling, instruction="query: ", truncate=True)
-    bridge = ClientBridge(InProcessClient(engine))
-    remote = ClientBackend("test", bridge, engine.tokenizer, SMOL, MINILM, encoder_pooling=local.encoder_pooling)
+    local = AsyncEngine(engine)
+    pooling = local.embedding_space.encoder_pooling
+    assert dict(pooling) == encoder_pooling_of(MINILM)  # what a deployment reads from the model's folder
+    doc = PoolingParams(**pooling, truncate=True)
+    query = PoolingParams(**pooling, instruction="query: ", truncate=True)
+    # NOTE: what `start_deployment` knows of its workers: the config's names, not the loaded engine
+    bridge = DeploymentClient(InProcessClient(engine), tokenizer=engine.tokenizer,
+                              embedding_space=EmbeddingSpace(SMOL, MINILM, encoder_pooling=encoder_pooling_of(MINILM)))
     try:
-        a, b = local.embedder(doc, query), remote.embedder(doc, query)
+        a, b = EngineEmbedder(local, doc, query), EngineEmbedder(bridge, doc, query)
         assert a.identity == b.identity and a.identity["embedding_model"] == MINILM
         assert a.identity["dimension"] == 384
         np.testing.assert_allclose(b.embed_documents(["the Nile flows north"]),

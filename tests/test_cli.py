@@ -16,7 +16,7 @@ def no_models(monkeypatch):
     """Fail the test if a command gets as far as building a backend (loading models)."""
     def refuse(cfg):  # noqa: ANN001
         raise AssertionError("a model would have loaded")
-    monkeypatch.setattr(app, "build_backend", refuse)
+    monkeypatch.setattr(app, "build_client", refuse)
 
 
 @pytest.mark.parametrize("override,named", [

@@ -97,7 +97,7 @@ def test_cancelled_embed_many_aborts_every_sibling_mid_chunk(engine):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            while aeng.num_pending or engine.has_unfinished():
+            while aeng.num_in_flight or engine.has_unfinished():
                 assert asyncio.get_running_loop().time() < deadline, "aborted siblings still pending"
                 await asyncio.sleep(0.005)
             assert engine.block_manager.num_used_blocks == 0

@@ -114,7 +114,7 @@ def test_async_engine_fails_every_caller_and_serves_on(engine, failing_step):
             failing_step["arm"]()
             results = await asyncio.gather(gen, emb, streamed, return_exceptions=True)
             after = await aeng.generate("Hi", SamplingParams(max_tokens=2))
-            return results, after, aeng.num_pending
+            return results, after, aeng.num_in_flight
 
     start = engine.num_steps
     results, after, pending = asyncio.run(main())

@@ -57,7 +57,7 @@ def test_retriever_finds_the_passage(retriever):
 
 
 def test_lcel_chain_puts_both_kinds_in_the_same_steps(local, retriever):
-    engine = local.aengine.engine
+    engine = local.client.engine
     chat = ChatOrthrus(engine=local, max_tokens=6, temperature=0)
     prompt = ChatPromptTemplate.from_template("Context: {context}\nQuestion: {question}\nAnswer briefly.")
     chain = ({"context": retriever | (lambda docs: docs[0].page_content), "question": RunnablePassthrough()}
@@ -98,10 +98,10 @@ def test_iter_retgen_runnable_in_process(local, retriever):
     assert len(one["iterations"]) == 2 and one["error"] is None
     assert one["iterations"][0]["retrieved"][0]["title"] == "Jane Austen"
     assert one["iterations"][1]["query"].endswith(QUESTIONS[0])  # y_1 || q
-    first = local.aengine.engine.num_steps
+    first = local.client.engine.num_steps
     many = rag.batch(QUESTIONS)  # nothing else in flight: the batch's own hops meet in the engine's steps
     assert [r["question"] for r in many] == QUESTIONS
-    steps = [s for s in local.aengine.engine.step_stats if s.step >= first]
+    steps = [s for s in local.client.engine.step_stats if s.step >= first]
     assert any(s.is_mixed for s in steps), "no step of the batch carried a query embedding beside a generation"
     events = list(rag.stream(QUESTIONS[1]))
     assert [e["event"] for e in events] == ["iteration", "iteration", "final"]

@@ -20,7 +20,7 @@ from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.pipelines import IterRetGen
 from orthrus_rag.pipelines import run_store
-from tests.fake_engine import FakeEngine, expected_scores, fake_backend, write_dataset
+from tests.fake_engine import FakeEngine, expected_scores, fake_client, write_dataset
 from tests.test_app_config import _compose
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +49,8 @@ def _strip(obj):
 
 def test_10000_questions_against_a_queue_of_64_none_fails_for_lack_of_room(tmp_path):
     data = write_dataset(tmp_path / "d.jsonl", 10_000)
-    backend = fake_backend(max_in_flight=64)
-    summary = app.run(_cfg(data, tmp_path / "run"), backend=backend)
+    backend = fake_client(max_in_flight=64)
+    summary = app.run(_cfg(data, tmp_path / "run"), client=backend)
     assert summary["num_questions"] == 10_000 and summary["num_failed"] == 0 and summary["complete"]
     assert backend.engine.max_requests <= 64  # the queue never held more than it admits
     assert summary["config"]["max_concurrency"] == 64  # sized from the engine's queue
@@ -88,8 +88,8 @@ def test_questions_in_flight_stay_bounded_and_memory_does_not_grow_with_the_data
 
 def test_a_question_past_its_timeout_is_recorded_failed_and_its_request_aborted(tmp_path):
     data = write_dataset(tmp_path / "d.jsonl", 6, hang={2})
-    backend = fake_backend()
-    summary = app.run(_cfg(data, tmp_path / "run", "pipeline.question_timeout_s=0.5"), backend=backend)
+    backend = fake_client()
+    summary = app.run(_cfg(data, tmp_path / "run", "pipeline.question_timeout_s=0.5"), client=backend)
     assert summary["num_questions"] == 6 and summary["num_failed"] == 1
     assert summary["failures"] == {"TimeoutError": 1}
     assert summary["failed"][0]["id"] == "q2" and "question_timeout_s" in summary["failed"][0]["error"]
@@ -101,7 +101,7 @@ def test_a_question_past_its_timeout_is_recorded_failed_and_its_request_aborted(
 def test_cli_exit_codes_and_failures_named(tmp_path, monkeypatch, capsys):
     from orthrus_rag.entrypoints.cli import main
 
-    monkeypatch.setattr(app, "build_backend", lambda cfg: fake_backend())
+    monkeypatch.setattr(app, "build_client", lambda cfg: fake_client())
     ok = write_dataset(tmp_path / "ok.jsonl", 5)
     base = ["dataset=2wiki", "pipeline=no_retrieval", "progress=false"]
     assert main(["run", *base, f"dataset.path={ok}", f"run_dir={tmp_path / 'a'}"]) == 0
@@ -127,7 +127,7 @@ def test_hub_failure_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys):
         raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder; outgoing traffic has "
                                       "been disabled.")
 
-    monkeypatch.setattr(app, "build_backend", offline)
+    monkeypatch.setattr(app, "build_client", offline)
     data = write_dataset(tmp_path / "d.jsonl", 2)
     code = main(["run", "dataset=2wiki", f"dataset.path={data}", "pipeline=no_retrieval", "progress=false",
                  f"run_dir={tmp_path / 'r'}"])
@@ -165,7 +165,7 @@ def _full_disk_after(monkeypatch, room: int) -> None:
 def test_full_disk_keeps_the_records_exits_1_and_resume_finishes_the_same_run(tmp_path, monkeypatch, capsys):
     from orthrus_rag.entrypoints.cli import main
 
-    monkeypatch.setattr(app, "build_backend", lambda cfg: fake_backend())
+    monkeypatch.setattr(app, "build_client", lambda cfg: fake_client())
     data = write_dataset(tmp_path / "d.jsonl", 300)
     args = ["dataset=2wiki", f"dataset.path={data}", "pipeline=no_retrieval", "progress=false", "checkpoint_every=50",
             "pipeline.max_concurrency=7"]
@@ -179,7 +179,7 @@ def test_full_disk_keeps_the_records_exits_1_and_resume_finishes_the_same_run(tm
     assert len(_records(run)) == 120  # every record before the failure, whole
     assert json.loads((run / "summary.json").read_text())["num_questions"] == 120  # saved on the way out
     monkeypatch.undo()
-    monkeypatch.setattr(app, "build_backend", lambda cfg: fake_backend())
+    monkeypatch.setattr(app, "build_client", lambda cfg: fake_client())
     assert main(["run", f"resume={run}"]) == 0  # the saved config: no overrides needed
     assert _strip(_records(run)) == _strip(_records(tmp_path / "whole"))
     resumed, whole = (json.loads((d / "summary.json").read_text()) for d in (run, tmp_path / "whole"))
@@ -199,8 +199,8 @@ def test_a_real_full_disk_on_a_tiny_tmpfs(tmp_path):
     mnt.mkdir()
     script = ("import sys; sys.path.insert(0, %r)\n"
               "from orthrus_rag.entrypoints import commands as app; from orthrus_rag.entrypoints.cli import main\n"
-              "from tests.fake_engine import fake_backend\n"
-              "app.build_backend = lambda cfg: fake_backend()\n"
+              "from tests.fake_engine import fake_client\n"
+              "app.build_client = lambda cfg: fake_client()\n"
               "sys.exit(main(['run', 'dataset=2wiki', 'dataset.path=%s', 'pipeline=no_retrieval', 'progress=false',"
               " 'run_dir=%s/run']))" % (str(ROOT), data, mnt))
     kept = tmp_path / "kept"
@@ -218,25 +218,25 @@ def test_a_real_full_disk_on_a_tiny_tmpfs(tmp_path):
 def test_resume_drops_a_torn_last_line_and_refuses_another_config(tmp_path, monkeypatch):
     data = write_dataset(tmp_path / "d.jsonl", 20)
     run = tmp_path / "run"
-    app.run(_cfg(data, run), backend=fake_backend())
+    app.run(_cfg(data, run), client=fake_client())
     lines = (run / "records.jsonl").read_text().splitlines(keepends=True)
     (run / "records.jsonl").write_text("".join(lines[:7]) + lines[7][:40])  # killed while writing record 8
     with pytest.raises(ValueError, match=r"pipeline.max_tokens: 96 -> 12"):
-        app.run(_cfg(data, tmp_path / "x", f"resume={run}", "pipeline.max_tokens=12"), backend=fake_backend())
+        app.run(_cfg(data, tmp_path / "x", f"resume={run}", "pipeline.max_tokens=12"), client=fake_client())
     summary = app.run(_cfg(data, tmp_path / "x", f"resume={run}", "pipeline.max_concurrency=3"),
-                      backend=fake_backend())
+                      client=fake_client())
     assert summary["num_questions"] == 20 and [r["index"] for r in _records(run)] == list(range(20))
     assert [s["questions"] for s in summary["sessions"]] == [20, 13]
     data.write_text(data.read_text().replace('"q3"', '"zz"'))  # the same file, edited
     with pytest.raises(ValueError, match="another dataset"):
-        app.run(_cfg(data, tmp_path / "x", f"resume={run}"), backend=fake_backend())
+        app.run(_cfg(data, tmp_path / "x", f"resume={run}"), client=fake_client())
 
 
 def test_sweep_writes_one_run_folder_per_job_and_summarize_tables_them(tmp_path, monkeypatch, capsys):
     """`-m engine=orthrus,hetero_fcfs`: two jobs, two run folders under run_dir, each with its config."""
     from orthrus_rag.entrypoints.cli import main
 
-    monkeypatch.setattr(app, "build_backend", lambda cfg: fake_backend(policy=cfg.engine.policy))
+    monkeypatch.setattr(app, "build_client", lambda cfg: fake_client(policy=cfg.engine.policy))
     data = write_dataset(tmp_path / "d.jsonl", 30)
     sweep = tmp_path / "sweep"
     assert main(["run", "-m", "engine=orthrus,hetero_fcfs", "dataset=2wiki", f"dataset.path={data}",
@@ -257,8 +257,8 @@ def test_sweep_writes_one_run_folder_per_job_and_summarize_tables_them(tmp_path,
 
 def test_concurrency_above_what_the_engine_admits_waits_instead_of_failing(tmp_path):
     data = write_dataset(tmp_path / "d.jsonl", 200)
-    backend = fake_backend(max_in_flight=8)
-    summary = app.run(_cfg(data, tmp_path / "run", "pipeline.max_concurrency=100"), backend=backend)
+    backend = fake_client(max_in_flight=8)
+    summary = app.run(_cfg(data, tmp_path / "run", "pipeline.max_concurrency=100"), client=backend)
     assert summary["num_failed"] == 0 and summary["config"]["max_concurrency"] == 8
     assert backend.engine.max_requests <= 8
 
@@ -266,11 +266,11 @@ def test_concurrency_above_what_the_engine_admits_waits_instead_of_failing(tmp_p
 def test_resuming_a_finished_run_loads_nothing_and_keeps_its_summary(tmp_path, monkeypatch):
     data = write_dataset(tmp_path / "d.jsonl", 30)
     run = tmp_path / "run"
-    first = app.run(_cfg(data, run), backend=fake_backend())
+    first = app.run(_cfg(data, run), client=fake_client())
 
-    def no_backend(cfg):
+    def no_client(cfg):
         raise AssertionError("a finished run needs no engine")
 
-    monkeypatch.setattr(app, "build_backend", no_backend)
+    monkeypatch.setattr(app, "build_client", no_client)
     again = app.run(_cfg(data, run, f"resume={run}"))
     assert _strip(again) == _strip(first) and again["config"] == first["config"]

@@ -33,10 +33,10 @@ def _wait_idle(served, timeout_s: float = 60.0) -> None:
     bm = served.engine.block_manager
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if served.aengine.num_pending == 0 and not served.engine.scheduler.requests and bm.num_free_blocks == bm.num_blocks:
+        if served.aengine.num_in_flight == 0 and not served.engine.scheduler.requests and bm.num_free_blocks == bm.num_blocks:
             return
         time.sleep(0.05)
-    raise AssertionError(f"not idle after {timeout_s} s: {served.aengine.num_pending} pending, "
+    raise AssertionError(f"not idle after {timeout_s} s: {served.aengine.num_in_flight} pending, "
                          f"{len(served.engine.scheduler.requests)} in the engine, {bm.num_free_blocks}/{bm.num_blocks} free")
 
 
@@ -175,12 +175,12 @@ def test_full_queue_answers_429_with_retry_after(served):
             for line in resp.iter_lines():  # until the first content: every choice is in the engine
                 if line.startswith("data:") and '"content":"' in line and '"content":""' not in line:
                     break
-            assert served.aengine.num_pending == SERVED_MAX_IN_FLIGHT
+            assert served.aengine.num_in_flight == SERVED_MAX_IN_FLIGHT
             busy = http.post(f"{served.url}/embeddings", json={"model": served.embedding_model, "input": "x"})
             assert busy.status_code == 429
             assert busy.headers["retry-after"] == "1"
             assert busy.json()["error"]["type"] == "rate_limit_error"
-            assert served.aengine.num_pending == SERVED_MAX_IN_FLIGHT
+            assert served.aengine.num_in_flight == SERVED_MAX_IN_FLIGHT
     _wait_idle(served)
 
 

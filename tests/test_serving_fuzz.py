@@ -119,6 +119,6 @@ def _leaves_the_engine_clean(served):
 
     bm = served.engine.block_manager
     deadline = time.monotonic() + 60
-    while (served.aengine.num_pending or bm.num_free_blocks != bm.num_blocks) and time.monotonic() < deadline:
+    while (served.aengine.num_in_flight or bm.num_free_blocks != bm.num_blocks) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert served.aengine.num_pending == 0 and bm.num_free_blocks == bm.num_blocks
+    assert served.aengine.num_in_flight == 0 and bm.num_free_blocks == bm.num_blocks

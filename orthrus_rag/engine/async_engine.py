@@ -14,11 +14,13 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.engine.loop import EngineLoop, StepFailed
+from orthrus_rag.engine.routing import EmbeddingSpace
+from orthrus_rag.engine.stats import StepStats
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -108,17 +110,23 @@ class _Outbox:
 
 
 class AsyncEngine:
+    """One in-process `Engine` as an `EngineClient` (engine/clients/protocol.py): embeddings and generations from
+    every coroutine share its steps. `max_in_flight` bounds its unfinished requests (more: `EngineQueueFull`)."""
+
     def __init__(self, engine: Engine, max_in_flight: int = 1024) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._engine = engine
+        self.name = f"engine ({engine.config.scheduler.policy})"
+        self.tokenizer = engine.tokenizer
         self.max_in_flight = max_in_flight
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Future[None] | None = None
         self._closed = False
-        self._num_pending = 0  # event-loop side: submitted and not yet finished/failed
+        self._sync_lock = threading.Lock()  # embed_sync on the sync engine, before the loop thread owns it
+        self._num_in_flight = 0  # event-loop side: submitted and not yet finished/failed
         self._ids = itertools.count()
         # engine-thread side
         self._loop_core = EngineLoop(engine)
@@ -133,8 +141,18 @@ class AsyncEngine:
         return self._engine
 
     @property
-    def num_pending(self) -> int:
-        return self._num_pending
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def embedding_space(self) -> EmbeddingSpace:
+        return self._engine.embedding_space
+
+    def observe_steps(self, observer: Callable[[StepStats], None]) -> Callable[[], None]:
+        """`observer` sees every step (on the engine's thread) until the returned function is called."""
+        observers = self._engine.step_observers
+        observers.append(observer)
+        return lambda: observer in observers and observers.remove(observer)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -159,6 +177,19 @@ class AsyncEngine:
             for task in tasks:  # NOTE: cancelling an awaiter aborts its request: no orphaned engine work
                 task.cancel()
             raise
+
+    def embed_sync(self, texts: Sequence[str | Sequence[int]],
+                   params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """Blocking embeddings from outside the event loop: before the first async request (an index built before
+        a run starts) the engine is not yet the loop thread's, so it runs here; after, they go through the loop."""
+        refuse_inside_event_loop()
+        if self._loop is None:
+            with self._sync_lock:
+                if self._loop is None:
+                    return self._engine.embed(list(texts), params)
+        if self._loop.is_closed() or not self._loop.is_running():
+            raise RuntimeError("the AsyncEngine's event loop is not running; embed from inside it (async API)")
+        return asyncio.run_coroutine_threadsafe(self.embed_many(texts, params), self._loop).result()
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> GenerationOutput:
@@ -192,6 +223,9 @@ class AsyncEngine:
         self._commands.put(("abort", request_id, reply))
         return await reply
 
+    async def aclose(self) -> None:
+        await self.shutdown()
+
     async def shutdown(self) -> None:
         """Stop the loop thread; unfinished requests fail with EngineShutdown. Idempotent."""
         if self._closed:
@@ -216,22 +250,27 @@ class AsyncEngine:
     def _bind(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is None:
+            with self._sync_lock:  # NOTE: an embed_sync still running on the sync engine finishes first
+                self._start(loop)
+        elif loop is not self._loop:
+            raise RuntimeError("AsyncEngine is bound to another event loop")
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None:
             self._loop = loop
             self._stopped = loop.create_future()
             self._thread = threading.Thread(target=self._run, name="orthrus-async-engine", daemon=True)
             self._thread.start()
-        elif loop is not self._loop:
-            raise RuntimeError("AsyncEngine is bound to another event loop")
 
     def _submit(self, kind: RequestKind, request_id: str | None, input: Any, params: Any, stream: bool) -> _Sink:
         if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
-        if self._num_pending >= self.max_in_flight:
-            raise EngineQueueFull(f"{self._num_pending} requests are pending; the limit is {self.max_in_flight}")
+        if self._num_in_flight >= self.max_in_flight:
+            raise EngineQueueFull(f"{self._num_in_flight} requests are pending; the limit is {self.max_in_flight}")
         rid = request_id or f"async-{kind.value}-{next(self._ids)}"
         sink = _Sink(rid, queue=_Snapshots()) if stream else _Sink(rid, future=self._loop.create_future())
-        self._num_pending += 1
+        self._num_in_flight += 1
         self._commands.put(("add", kind, rid, input, params, stream, sink))
         return sink
 
@@ -246,7 +285,7 @@ class AsyncEngine:
     def _deliver(self, batch: list[tuple[_Sink, Any, bool]]) -> None:
         for sink, item, final in batch:
             sink.put(item)
-            self._num_pending -= int(final)
+            self._num_in_flight -= int(final)
 
     # ---- engine thread: a thin shell around the one EngineLoop -----------------------------------------------
     def _run(self) -> None:
@@ -308,3 +347,13 @@ class AsyncEngine:
         self._outbox.append((_Sink("", future=self._stopped), None, False))
         with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed under us: nobody to tell
             self._flush()
+
+
+def refuse_inside_event_loop() -> None:
+    """A blocking call from inside a running event loop would stall the loop it waits on."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError("a blocking embedding call inside a running event loop would block it; "
+                       "await the async API (aembed_documents / aembed_query / embed_many) instead")

@@ -26,7 +26,7 @@ from orthrus_rag.engine.input_processor import InputProcessor
 from orthrus_rag.engine.loop import EngineLoop
 from orthrus_rag.engine.core.prefix_cache import PrefixCachingBlockManager
 from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
-from orthrus_rag.engine.routing import EmbeddingRoute, route_embedding
+from orthrus_rag.engine.routing import EmbeddingRoute, EmbeddingSpace
 from orthrus_rag.engine.executor.runner import ModelRunner
 from orthrus_rag.engine.core.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.stats import StepStats
@@ -156,13 +156,23 @@ class Engine:
     def has_encoder(self) -> bool:
         return self.runner.encoder is not None
 
+    @property
+    def embedding_space(self) -> EmbeddingSpace:
+        """What this engine's embeddings are (models, adapters, the encoder's pooling): the space its clients
+        report and that owns the embedding route."""
+        mc = self.config.model
+        encoder = self.runner.encoder
+        return EmbeddingSpace(mc.name, mc.embedding_model if encoder is not None else None,
+                              tuple(mc.embedding_adapters), dict(self.adapter_slots), dict(self.encoder_pooling),
+                              hidden_size=int(self.runner.model.config.hidden_size),
+                              encoder_hidden_size=int(encoder.hidden_size) if encoder is not None else None)
+
     def embedding_route(self, params: PoolingParams | None = None) -> EmbeddingRoute:
         """Where an embedding with `params` runs (ValueError for an unknown adapter)."""
-        return route_embedding(params, self.has_encoder, self.adapter_slots)
+        return self.embedding_space.route(params)
 
     def default_pooling_params(self) -> PoolingParams:
-        """The pooling of an embedding submitted without params: the encoder's own, else mean + L2."""
-        return PoolingParams(**self.encoder_pooling) if self.has_encoder else PoolingParams()
+        return self.embedding_space.default_pooling()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits of final backbone hidden states (e.g. rows of a pooling="all" embedding of a prompt
@@ -171,9 +181,7 @@ class Engine:
 
     def embedding_dimension(self, route: EmbeddingRoute) -> int:
         """The width of the hidden states `route` pools (a pooling head may change it)."""
-        if route.on_encoder:
-            return int(self.runner.encoder.hidden_size)
-        return int(self.runner.model.config.hidden_size)
+        return int(self.embedding_space.dimension(route))
 
     def _add(self, req: Request) -> str:
         self.scheduler.add(req)  # NOTE: refuses an id already in use
@@ -201,12 +209,14 @@ class Engine:
 
     def step(self) -> list[EngineOutput]:
         """Run one engine step; returns the outputs of requests that finished in it (and streaming snapshots)."""
+        hits = self._prefix_hit_tokens()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         now = time.monotonic()
         stats = StepStats.from_schedule(self.num_steps, sched, len(self.scheduler.waiting),
                                         len(self.scheduler.running), self.block_manager.num_used_blocks)
+        stats.num_prefix_hit_tokens = self._prefix_hit_tokens() - hits
         for req in [s.req for s in sched.scheduled] + sched.encoder:
             req.first_scheduled_time = req.first_scheduled_time or now
         result = self.runner.execute(sched)
@@ -223,6 +233,10 @@ class Engine:
             observe(stats)
         self.num_steps += 1
         return outputs
+
+    def _prefix_hit_tokens(self) -> int:
+        """Prompt tokens served from cached blocks so far (0 without prefix caching)."""
+        return getattr(self.block_manager, "num_hit_tokens", 0)
 
     def _output(self, req: Request, done: StepResult) -> EngineOutput:
         """The output of a request the scheduler finished this step."""

@@ -1,12 +1,13 @@
 """Where an embedding runs: the separate encoder, or the decoder backbone with a LoRA adapter (or none).
 
-The one owner of that rule: the engine calls it for every embedding request, the in-process embedder and a
-deployment's backend call it to name what built an index's vectors."""
+The one owner of that rule (`route_embedding`); `EmbeddingSpace` carries what a client's embeddings are, so the
+engine, the `Embedder` and the server all route through the same function."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from orthrus_rag.params import PoolingParams
 
@@ -42,3 +43,37 @@ def route_embedding(params: PoolingParams | None, has_encoder: bool,
     if name not in adapter_slots:
         raise ValueError(f"unknown adapter {name!r}; loaded: {sorted(adapter_slots) or 'none'}")
     return EmbeddingRoute(on_encoder=False, adapter=name, slot=adapter_slots[name])
+
+
+@dataclass(frozen=True)
+class EmbeddingSpace:
+    """Who computes a client's embeddings and with what: part of an index's identity.
+
+    `kind` is "engine" for this project's engine in any deployment (its vectors are the same in-process or in a
+    worker) or a peer's name. `adapter_slots` names the loaded LoRA adapters in load order (slots from 1);
+    `encoder_pooling` is the separate encoder's own pooling ({} when embeddings come from the backbone)."""
+
+    model: str
+    embedding_model: str | None = None
+    adapters: tuple[str, ...] = ()  # the adapter folders as configured (what the identity records)
+    adapter_slots: Mapping[str, int] = field(default_factory=dict)
+    encoder_pooling: Mapping[str, Any] = field(default_factory=dict)
+    kind: str = "engine"
+    hidden_size: int | None = None  # the backbone's width, where known without asking (in-process)
+    encoder_hidden_size: int | None = None
+
+    @property
+    def has_encoder(self) -> bool:
+        return self.embedding_model is not None
+
+    def route(self, params: PoolingParams | None) -> EmbeddingRoute:
+        """Where `params` embed: `route_embedding` (engine/routing.py) is the one owner of that rule."""
+        return route_embedding(params, self.has_encoder, self.adapter_slots)
+
+    def dimension(self, route: EmbeddingRoute) -> int | None:
+        """The width of the states `route` pools (None where unknown here: ask the client with one text)."""
+        return self.encoder_hidden_size if route.on_encoder else self.hidden_size
+
+    def default_pooling(self) -> PoolingParams:
+        """The pooling of an embedding submitted without params: the encoder's own, else mean + L2."""
+        return PoolingParams(**dict(self.encoder_pooling)) if self.has_encoder else PoolingParams()

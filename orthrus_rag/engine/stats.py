@@ -32,6 +32,8 @@ class StepStats:
     num_forward_embed_rows: int = 0
     num_forward_generate_rows: int = 0
     num_forward_encoder_rows: int = 0
+    # prompt tokens this step's admissions found in the prefix cache (net of preempted ones' returned hits)
+    num_prefix_hit_tokens: int = 0
 
     @property
     def is_mixed(self) -> bool:
@@ -129,7 +131,7 @@ class StepAggregator:
         self._lock = threading.Lock()
         self.totals: dict[str, float] = dict.fromkeys(
             ("num_steps", "num_mixed_steps", "embed_tokens", "prefill_tokens", "decode_tokens", "encoder_tokens",
-             "num_preempted", "busy_time", "max_kv_blocks_used"), 0)
+             "num_preempted", "busy_time", "max_kv_blocks_used", "prefix_cache_hit_tokens"), 0)
         self.step_time = Histogram(STEP_TIME_EDGES)
         self.step_tokens = Histogram(STEP_TOKEN_EDGES)
 
@@ -144,6 +146,7 @@ class StepAggregator:
             t["decode_tokens"] += s.num_decode_tokens
             t["encoder_tokens"] += s.num_encoder_tokens
             t["num_preempted"] += s.num_preempted
+            t["prefix_cache_hit_tokens"] += s.num_prefix_hit_tokens
             t["busy_time"] += s.step_time
             t["max_kv_blocks_used"] = max(t["max_kv_blocks_used"], s.kv_blocks_used)
             self.step_time.add(s.step_time)

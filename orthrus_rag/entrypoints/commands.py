@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from orthrus_rag.app_config import build_engine, engine_config_from, validate
+from orthrus_rag.app_config import build_client, validate
 
 logger = logging.getLogger(__name__)
 
@@ -24,23 +24,12 @@ def load_examples(cfg: Any) -> list:
     return load_qa(d.name, path=d.path, hub_id=d.hub_id, split=d.split, limit=d.limit)
 
 
-def build_backend(cfg: Any):  # -> Backend
-    """`engine.serving`: `engine` (one co-scheduled engine) or a two-process deployment of it."""
-    from orthrus_rag.backends import EngineBackend, deployment_backend
-
-    if cfg.engine.serving == "engine":
-        return EngineBackend(build_engine(cfg), max_in_flight=cfg.engine.max_in_flight)
-    threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
-    logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
-    return deployment_backend(cfg.engine.serving, engine_config_from(cfg), threads)
-
-
-def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:
+def _pooling(cfg: Any, client: Any) -> tuple[Any, Any]:
     """Document and query pooling: the encoder's own pooling, or the configured one on the backbone."""
     from orthrus_rag.params import PoolingParams
 
     if cfg.model.embedding_model is not None:
-        base = dict(backend.encoder_pooling)
+        base = dict(client.embedding_space.encoder_pooling)
     else:
         base = {"pooling": cfg.retriever.pooling, "normalize": True}
     # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does.
@@ -49,14 +38,14 @@ def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:
             PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True, priority=-1))
 
 
-def build_retriever(cfg: Any, backend: Any, corpus: list, index_dir: Path | None,
+def build_retriever(cfg: Any, client: Any, corpus: list, index_dir: Path | None,
                     reuse: bool = False):  # -> DenseRetriever
     """The configured index: `retriever.index_dir` loaded; on a resumed run the one saved in its folder (rebuilt
     if that is missing or unreadable); else built over `corpus` and saved to `index_dir`."""
-    from orthrus_rag.retrievers import DenseRetriever
+    from orthrus_rag.retrievers import DenseRetriever, EngineEmbedder
 
-    doc, query = _pooling(cfg, backend)
-    embedder = backend.embedder(doc, query)
+    doc, query = _pooling(cfg, client)
+    embedder = EngineEmbedder(client, doc, query)
     r = cfg.retriever
     if r.index_dir is not None:
         logger.info("loading index from %s", r.index_dir)
@@ -85,29 +74,29 @@ def index(cfg: Any) -> Path:
     validate(cfg)
     corpus = build_corpus(load_examples(cfg))
     out = Path(cfg.run_dir) / "index"
-    backend = build_backend(cfg)
+    client = build_client(cfg)
     try:
-        build_retriever(cfg, backend, corpus, out)
+        build_retriever(cfg, client, corpus, out)
     finally:
-        asyncio.run(backend.aclose())
+        asyncio.run(client.aclose())
     logger.info("index of %d passages saved to %s", len(corpus), out)
     return out
 
 
-def build_pipeline(cfg: Any, backend: Any, retriever: Any):  # -> IterRetGen
+def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> IterRetGen
     from orthrus_rag.params import SamplingParams
     from orthrus_rag.pipelines import IterRetGen, default_concurrency
 
     p = cfg.pipeline
-    admitted = default_concurrency(backend.max_in_flight)
-    concurrency = p.max_concurrency or default_concurrency(backend.max_in_flight, cfg.engine.max_num_seqs)
+    admitted = default_concurrency(client.max_in_flight)
+    concurrency = p.max_concurrency or default_concurrency(client.max_in_flight, cfg.engine.max_num_seqs)
     if concurrency > admitted:  # NOTE: more would fail questions with EngineQueueFull; let them wait instead
         logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
-                       concurrency, backend.name, admitted, admitted)
+                       concurrency, client.name, admitted, admitted)
         concurrency = admitted
-    return IterRetGen(backend.client, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
+    return IterRetGen(client, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
                       sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
-                      chat_template=backend.tokenizer if p.chat_template else None, max_concurrency=concurrency,
+                      chat_template=client.tokenizer if p.chat_template else None, max_concurrency=concurrency,
                       question_timeout_s=p.question_timeout_s)
 
 
@@ -115,39 +104,44 @@ def _iterations(cfg: Any) -> int:
     return 1 if cfg.pipeline.name == "standard_rag" else cfg.pipeline.iterations
 
 
-def run_labels(cfg: Any, backend: Any, max_concurrency: int) -> dict[str, Any]:
+def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:
     """What a run is, for its summary and for `orthrus-rag summarize` tables."""
     d = cfg.dataset
     return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "model": cfg.model.name,
-            "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy, "serving": backend.name,
+            "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy, "serving": client.name,
             "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "index_type": cfg.retriever.index_type,
             "k": cfg.retriever.k, "max_concurrency": max_concurrency}
 
 
 class _Closing:
-    """Closes the backend exactly once: inside the run's event loop, or afterwards on a failure."""
+    """Closes the client exactly once: inside the run's event loop, or afterwards on a failure."""
 
-    def __init__(self, backend: Any) -> None:
-        self.backend, self.closed = backend, False
+    def __init__(self, client: Any) -> None:
+        self.client, self.closed = client, False
+        self.stop_observing: Any = None  # NOTE: the engine may outlive the run (a shared test engine)
 
     async def aclose(self) -> None:
-        if self.backend is not None and not self.closed:
+        if self.stop_observing is not None:
+            self.stop_observing()
+            self.stop_observing = None
+        if self.client is not None and not self.closed:
             self.closed = True
-            await self.backend.aclose()
+            await self.client.aclose()
 
     def close(self) -> None:
-        if self.backend is not None and not self.closed:
+        if (self.client is not None and not self.closed) or self.stop_observing is not None:
             asyncio.run(self.aclose())
 
 
-def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
+def run(cfg: Any, client: Any = None) -> dict[str, Any]:
     """Answer a dataset's questions with the configured pipeline, recording each into the run folder as it
     finishes (`run_dir`, or the folder `resume` names: its recorded questions are skipped); returns the summary.
 
-    `backend`: what serves the run (default: built from `cfg.engine`); it is closed at the end either way."""
+    `client`: the `EngineClient` that serves the run (default: built from `cfg.engine`); it is closed at the end
+    either way."""
     from orthrus_rag.entrypoints.run_session import RunSession
 
-    closing = _Closing(backend)
+    closing = _Closing(client)
     session = None
     try:
         validate(cfg)  # before any model loads
@@ -174,18 +168,18 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     if not remaining:
         logger.info("every question of %s is recorded already", session.folder)
         return
-    if closing.backend is None:
-        closing.backend = build_backend(cfg)
-    backend = session.backend = closing.backend
+    if closing.client is None:
+        closing.client = build_client(cfg)
+    client = closing.client
     retriever = None
     if cfg.pipeline.name != "no_retrieval":
         # NOTE: built before the async loop starts, so the corpus embeds with blocking calls
-        retriever = build_retriever(cfg, backend, build_corpus(examples), session.folder / "index",
+        retriever = build_retriever(cfg, client, build_corpus(examples), session.folder / "index",
                                     reuse=cfg.resume is not None)
-    pipeline = build_pipeline(cfg, backend, retriever)
-    session.labels = run_labels(cfg, backend, pipeline.max_concurrency)
-    backend.observe_steps(session.observe)
-    backend.start()
+    pipeline = build_pipeline(cfg, client, retriever)
+    session.labels = run_labels(cfg, client, pipeline.max_concurrency)
+    # NOTE: None (no step rows) where the steps run in other processes
+    closing.stop_observing = client.observe_steps(session.observe)
     session.begin()
 
     async def answer() -> None:

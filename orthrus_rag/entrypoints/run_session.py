@@ -45,7 +45,6 @@ class RunSession:
         self.num_new = 0
         self.started = time.perf_counter()
         self.started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        self.backend: Any = None  # set by the app once built: its `stats()` adds prefix-cache hits
         self.labels: dict[str, Any] = {}  # what the run is (policy, retriever, dataset...): set by the app
         self._bar: Any = None
         if cfg.resume is None:
@@ -155,11 +154,8 @@ class RunSession:
         summary["num_total"] = self.num_total
         summary["complete"] = self.scores.num_questions == self.num_total
         sessions = self._sessions()
-        if self.steps.totals["num_steps"]:
+        if self.steps.totals["num_steps"]:  # NOTE: prefix-cache hits too: each step counts its own
             summary["engine"] = self.steps.summary()
-            hits = [s["prefix_cache_hit_tokens"] for s in sessions if s.get("prefix_cache_hit_tokens") is not None]
-            if hits:  # NOTE: an interrupted session counts up to its last checkpoint
-                summary["engine"]["prefix_cache_hit_tokens"] = sum(hits)
         summary["sessions"] = sessions
         summary["config"] = self.labels
         return summary
@@ -167,9 +163,6 @@ class RunSession:
     def _sessions(self) -> list[dict[str, Any]]:
         this = {"session": self.session, "started": self.started_at, "questions": self.num_new,
                 "time_s": time.perf_counter() - self.started}
-        hits = ((self.backend.stats() or {}) if self.backend is not None else {}).get("prefix_cache_hit_tokens")
-        if hits is not None:
-            this["prefix_cache_hit_tokens"] = hits
         return [s for s in self.previous_sessions if s.get("session") != self.session] + [this]
 
     def close(self) -> None:

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(config_name="config", overrides=args.overrides)
     if "run_dir=" not in " ".join(args.overrides):
         raise SystemExit("error: pass run_dir=... (the ${now:} default needs a Hydra run)")
-    try:  # NOTE: app.run closes the backend (the peer's engines) whatever happens
-        summary = app.run(cfg, backend=peer_backend(args.peer, cfg, json.loads(args.options)))
+    try:  # NOTE: app.run closes the client (the peer's engines) whatever happens
+        summary = app.run(cfg, client=peer_client(args.peer, cfg, json.loads(args.options)))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -50,12 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def peer_backend(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) -> ClientBackend
+def peer_client(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) -> DeploymentClient
     from bench.peer_client import make_peer
 
     from orthrus_rag.app_config import validate
-    from orthrus_rag.backends import ClientBackend, encoder_pooling_of, load_tokenizer
-    from orthrus_rag.engine.clients import ClientBridge
+    from orthrus_rag.engine.clients import DeploymentClient
+    from orthrus_rag.engine.clients.deployment_client import encoder_pooling_of, load_tokenizer
+    from orthrus_rag.engine.routing import EmbeddingSpace
 
     validate(cfg)  # before the peer's engines start
     m = cfg.model
@@ -72,8 +73,8 @@ def peer_backend(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) 
     except BaseException:
         client.shutdown()
         raise
-    return ClientBackend(peer, ClientBridge(client, name=f"{peer}-bridge"), tokenizer, m.name, m.embedding_model,
-                         encoder_pooling=pooling, kind=peer)
+    space = EmbeddingSpace(m.name, m.embedding_model, encoder_pooling=pooling, kind=peer)
+    return DeploymentClient(client, name=peer, tokenizer=tokenizer, embedding_space=space)
 
 
 if __name__ == "__main__":  # NOTE: spawn (the vLLM peer's engines) re-imports the main module

@@ -1,9 +1,13 @@
-"""The client seam that the app and the benchmarks drive serving systems through: `ServingClient` (submit / poll /
-shutdown) with `InProcessClient` and `make_client`, and `ClientBridge`, which awaits single results over it
-(pipelines on a deployment or a peer). The process baselines themselves live in `orthrus_rag.engine.deploy`."""
+"""The client seam: `EngineClient` (protocol.py), which pipelines, retrievers, the server and LangChain call through,
+and its implementations here: `DeploymentClient` (the two-process deployments and benchmark peers, over the
+submit/poll `ServingClient` of client.py) and `RemoteClient` (a running server, over HTTP). The in-process one is
+`orthrus_rag.engine.async_engine.AsyncEngine`. The process baselines themselves live in `orthrus_rag.engine.deploy`."""
 
-from orthrus_rag.engine.clients.client import SYSTEMS, InProcessClient, ServingClient, make_client  # noqa: I001
-from orthrus_rag.engine.clients.bridge import ClientBridge, ClientFailed, RequestFailed
+from orthrus_rag.engine.clients.protocol import EngineClient  # noqa: I001
+from orthrus_rag.engine.clients.client import SYSTEMS, InProcessClient, ServingClient, make_client
+from orthrus_rag.engine.clients.remote import RemoteClient
+from orthrus_rag.engine.clients.deployment_client import (ClientFailed, DeploymentClient, RequestFailed,
+                                                          start_deployment)
 
-__all__ = ["SYSTEMS", "ClientBridge", "ClientFailed", "InProcessClient", "RequestFailed", "ServingClient",
-           "make_client"]
+__all__ = ["SYSTEMS", "ClientFailed", "DeploymentClient", "EngineClient", "InProcessClient", "RemoteClient", "RequestFailed",
+           "ServingClient", "make_client", "start_deployment"]

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over one `OpenAIService` (so one AsyncEngine), `/health` and
+"""The FastAPI app: OpenAI-compatible routes over one `OpenAIService` (so one EngineClient), `/health` and
 `/metrics`. Routes are thin: parse (pydantic), call the service, shape the HTTP answer."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.entrypoints.openai import generation
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
@@ -27,12 +27,15 @@ MAX_BODY_BYTES = 16 << 20  # a body past this is refused (413) before it is pars
 DISCONNECT_POLL_S = 0.25
 
 
-def build_app(aengine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
               default_max_tokens: int = 512) -> FastAPI:
-    """An app serving `aengine`. With `api_key`, /v1/* answers 401 unless `Authorization: Bearer <api_key>`.
-    The app shuts the AsyncEngine down when it stops (the caller keeps the sync Engine)."""
-    metrics = ServerMetrics(aengine.engine, pending=lambda: aengine.num_pending)
-    service = OpenAIService(aengine, served_model_name, default_max_tokens, metrics)
+    """An app serving `client` (an `AsyncEngine` in `orthrus-rag serve`). With `api_key`, /v1/* answers 401
+    unless `Authorization: Bearer <api_key>`. The app closes the client when it stops (an AsyncEngine's caller
+    keeps the sync Engine)."""
+    engine = getattr(client, "engine", None)  # in-process: the KV gauges read its block manager
+    metrics = ServerMetrics(client, pending=lambda: client.num_in_flight,
+                            block_manager=getattr(engine, "block_manager", None))
+    service = OpenAIService(client, served_model_name, default_max_tokens, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -40,7 +43,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | None = None, api_ke
             yield
         finally:
             metrics.close()
-            await aengine.shutdown()
+            await client.aclose()
 
     app = FastAPI(title="orthrus-rag", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible embeddings and generations served by one co-scheduled engine")
@@ -76,13 +79,13 @@ def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.stream:
-            return _sse(await generation.completions_stream(service, body))
+            return _sse(generation.sse_events(await generation.completions_stream(service, body)))
         return JSONResponse(await generation.completions(service, body, _until_disconnect(request)))
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         if body.stream:
-            return _sse(await generation.chat_stream(service, body))
+            return _sse(generation.sse_events(await generation.chat_stream(service, body)))
         return JSONResponse(await generation.chat(service, body, _until_disconnect(request)))
 
 

@@ -66,9 +66,10 @@ async def chat(service: OpenAIService, req: ChatCompletionRequest, run: Runner |
             "system_fingerprint": None}
 
 
-async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> AsyncIterator[str]:
-    """SSE events: a role chunk per choice, content deltas, a finish chunk per choice, usage if asked, [DONE].
-    Checks run before the first event, so a bad request is an error status, not a broken stream."""
+async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
+    """The chunks (dicts): a role chunk per choice, content deltas, a finish chunk per choice, usage if asked.
+    Checks run before the first chunk, so a bad request is an error status, not a broken stream; a failure
+    after it raises `OpenAIError` from the iterator (`sse_events` turns that into an error event)."""
     params = _chat_params(service, req)
     if req.logprobs:
         raise bad_request("logprobs are not supported with stream=true; ask without streaming", "logprobs")
@@ -76,14 +77,14 @@ async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> Asy
     service._reserve(len(params))
     rid, created, model = new_id("chatcmpl"), int(time.time()), service.models.generation
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+    def chunk(choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": choices, "system_fingerprint": None}
         if req.stream_options is not None and req.stream_options.include_usage:
             body["usage"] = usage
-        return _sse(body)
+        return body
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[dict[str, Any]]:
         for i in range(req.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
@@ -94,9 +95,8 @@ async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> Asy
                 yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(out)}])
             if finals is not None and req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], _usage(finals, len(prompt)))
-        yield "data: [DONE]\n\n"
 
-    return _guarded_stream(events())
+    return events()
 
 
 # ---- completions -------------------------------------------------------------------------------------------
@@ -132,7 +132,8 @@ async def completions(service: OpenAIService, req: CompletionRequest, run: Runne
             "model": service.models.generation, "choices": choices, "usage": _usage(outs_all, prompt_tokens)}
 
 
-async def completions_stream(service: OpenAIService, req: CompletionRequest) -> AsyncIterator[str]:
+async def completions_stream(service: OpenAIService, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
+    """The chunks (dicts) of a streamed completion; as `chat_stream`."""
     prompts, params = _completion_params(service, req)
     if len(prompts) != 1:
         raise bad_request("stream=true takes one prompt per request", "prompt")
@@ -141,19 +142,17 @@ async def completions_stream(service: OpenAIService, req: CompletionRequest) -> 
     service._reserve(len(params))
     rid, created, model = new_id("cmpl"), int(time.time()), service.models.generation
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[dict[str, Any]]:
         async for i, out, delta, finals in _deltas(service, prompts[0], params):
             if delta or out.finished:
-                body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": i, "text": delta, "logprobs": None,
-                                     "finish_reason": _finish_reason(out)}]}
-                yield _sse(body)
+                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": i, "text": delta, "logprobs": None,
+                                    "finish_reason": _finish_reason(out)}]}
             if finals is not None and req.stream_options is not None and req.stream_options.include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(finals, len(finals[0].prompt_token_ids))})
-        yield "data: [DONE]\n\n"
+                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": _usage(finals, len(finals[0].prompt_token_ids))}
 
-    return _guarded_stream(events())
+    return events()
 
 
 # ---- shared streaming -----------------------------------------------------------------------------------------
@@ -170,13 +169,16 @@ async def _deltas(service: OpenAIService, prompt: Any, params: list,
         yield i, out, delta, ([finals[k] for k in range(len(params))] if len(finals) == len(params) else None)
 
 
-async def _guarded_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """An error after the first event cannot change the status: it ends the stream with an error event."""
+async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The HTTP form of a stream: each chunk as an SSE event, then [DONE]. An error after the first event cannot
+    change the status: it ends the stream with an error event."""
     try:
-        async for event in events:
-            yield event
+        async for body in chunks:
+            yield _sse(body)
     except OpenAIError as exc:
         yield _sse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
+        return
+    yield "data: [DONE]\n\n"
 
 
 def _sse(body: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Prometheus metrics of one served engine, in their own registry (several apps in one process never collide).
 
-Step metrics hang on `Engine.step_observers` (called on the engine thread with every step's `StepStats`, no
+Step metrics hang on the client's step observers (`EngineClient.observe_steps`: called on the engine thread with every step's `StepStats`, no
 polling); request metrics come from each output's `RequestMetrics` when the server hands it back."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ STEP_KINDS = ("embed", "prefill", "decode", "encoder")
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any, pending: Any = None) -> None:
-        """`engine`: the served `Engine` (its block manager and step observers); `pending`: a callable giving
-        the number of unfinished requests (the AsyncEngine's)."""
+    def __init__(self, client: Any, pending: Any = None, block_manager: Any = None) -> None:
+        """`client`: the served `EngineClient` (its step observers); `pending`: a callable giving the number of
+        unfinished requests; `block_manager`: the in-process engine's, whose KV blocks the gauges read."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("orthrus_requests", "Finished HTTP requests by endpoint kind and status",
                                 ["kind", "status"], registry=r)
@@ -50,18 +50,19 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queueing = Histogram("orthrus_queueing_seconds", "Arrival to first scheduled step, by request kind",
                                   ["kind"], buckets=LATENCY_BUCKETS, registry=r)
-        self._engine = engine
         self._pending = pending
         self._num_steps = self._num_mixed = 0
-        self._hits = getattr(engine.block_manager, "num_hit_tokens", 0)
-        self.kv_total.set(engine.block_manager.num_blocks)
-        self.kv_used.set(engine.block_manager.num_used_blocks)
-        engine.step_observers.append(self.observe_step)
+        self._blocks = block_manager
+        if block_manager is not None:
+            self.kv_total.set(block_manager.num_blocks)
+            self.kv_used.set(block_manager.num_used_blocks)
+        self._stop = client.observe_steps(self.observe_step)
 
     def close(self) -> None:
-        """Stop observing the engine (it may outlive this server)."""
-        if self.observe_step in self._engine.step_observers:
-            self._engine.step_observers.remove(self.observe_step)
+        """Stop observing the steps (the engine may outlive this server)."""
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def observe_step(self, stats: StepStats) -> None:
@@ -77,14 +78,11 @@ class ServerMetrics:
         self.mixed_share.set(self._num_mixed / self._num_steps)
         self.waiting.set(stats.num_waiting)
         self.running.set(stats.num_running)
-        self.kv_used.set(self._engine.block_manager.num_used_blocks)
+        self.kv_used.set(stats.kv_blocks_used if self._blocks is None else self._blocks.num_used_blocks)
         if stats.num_preempted:
             self.preempted.inc(stats.num_preempted)
-        hits = getattr(self._engine.block_manager, "num_hit_tokens", None)
-        if hits is not None and hits > self._hits:
-            self.prefix_hits.inc(hits - self._hits)
-        if hits is not None:
-            self._hits = hits
+        if stats.num_prefix_hit_tokens > 0:  # NOTE: a preempted request's hits return (a negative step count)
+            self.prefix_hits.inc(stats.num_prefix_hit_tokens)
 
     # ---- event loop -----------------------------------------------------------------------------------------
     def observe_request(self, kind: str, metrics: RequestMetrics | None, prompt_tokens: int,
@@ -105,5 +103,6 @@ class ServerMetrics:
     def render(self) -> bytes:
         if self._pending is not None:
             self.pending.set(self._pending())
-        self.kv_used.set(self._engine.block_manager.num_used_blocks)
+        if self._blocks is not None:  # NOTE: blocks freed after the last step show too
+            self.kv_used.set(self._blocks.num_used_blocks)
         return generate_latest(self.registry)

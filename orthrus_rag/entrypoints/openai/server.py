@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.entrypoints.openai.api import build_app
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def resolve_api_key(api_key: str | None) -> str | None:
 
 def serve(cfg: Any) -> None:
     """`orthrus-rag serve`: build the engine from the composed config and serve it until interrupted."""
-    from orthrus_rag.app_config import build_engine, validate
+    from orthrus_rag.app_config import build_client, validate
 
     validate(cfg)
     s = cfg.serve
@@ -36,9 +36,7 @@ def serve(cfg: Any) -> None:
     if s.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: reachable from other machines%s", s.host,
                        "" if resolve_api_key(s.api_key) else " without an API key")
-    engine = build_engine(cfg)
-    aengine = AsyncEngine(engine, max_in_flight=cfg.engine.max_in_flight)
-    app = build_app(aengine, s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens)
+    app = build_app(build_client(cfg), s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens)
     uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level)
 
 
@@ -49,13 +47,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerThread:
-    """The server for `aengine` in a daemon thread on `host:port` (port 0: a free one); `url` is its base URL
-    (`.../v1`). `stop()` shuts it down, and the AsyncEngine with it."""
+    """The server for `client` (an `EngineClient`) in a daemon thread on `host:port` (port 0: a free one); `url` is its base URL
+    (`.../v1`). `stop()` shuts it down, and closes the client."""
 
-    def __init__(self, aengine: AsyncEngine, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, client: EngineClient, host: str = "127.0.0.1", port: int = 0,
                  startup_timeout_s: float = 30.0, **app_kwargs: Any) -> None:
         self.host, self.port = host, port or free_port(host)
-        self.app = build_app(aengine, **app_kwargs)
+        self.app = build_app(client, **app_kwargs)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="orthrus-server", daemon=True)

@@ -1,8 +1,8 @@
-"""`OpenAIService`: the OpenAI API's semantics over one `AsyncEngine`, shared by every endpoint and caller.
+"""`OpenAIService`: the OpenAI API's semantics over one `EngineClient`, shared by every endpoint and caller.
 
-The HTTP routes (serving/api.py) and the in-process LangChain components both call it, so there is one owner of
-what `n`, `stop`, `seed`, `max_tokens`, the chat template and `encoding_format` mean. It runs on the event loop
-the AsyncEngine is bound to; every failure is an `OpenAIError` with the status and message a caller sees."""
+The HTTP routes (api.py) and the in-process LangChain components both call it, so there is one owner of what
+`n`, `stop`, `seed`, `max_tokens`, the chat template, `encoding_format` and the 400-or-429 admission rule
+(`_reserve`) mean. It runs on the event loop the client is bound to; every failure is an `OpenAIError` with the status and message a caller sees."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from orthrus_rag.engine.async_engine import AsyncEngine, EngineQueueFull, EngineShutdown, RequestAborted
+from orthrus_rag.engine.async_engine import EngineQueueFull, EngineShutdown, RequestAborted
+from orthrus_rag.engine.clients.protocol import EngineClient
+from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
@@ -35,26 +37,25 @@ class ServedModels:
     embedding: dict[str, str | None] = field(default_factory=dict)  # name -> PoolingParams.adapter
 
     @classmethod
-    def of(cls, engine: Any, served_model_name: str | None = None) -> "ServedModels":
-        mc = engine.config.model
-        gen = served_model_name or mc.name
+    def of(cls, space: EmbeddingSpace, served_model_name: str | None = None) -> "ServedModels":
+        gen = served_model_name or space.model
         emb: dict[str, str | None] = {}
-        if engine.has_encoder:
-            emb[mc.embedding_model] = None
+        if space.has_encoder:
+            emb[space.embedding_model] = None
         else:
             emb[gen] = None  # the backbone with its default adapter (if any)
-        for name in engine.adapter_slots:  # each loaded adapter by its name
+        for name in space.adapter_slots:  # each loaded adapter by its name
             emb.setdefault(name, name)
         return cls(gen, emb)
 
 
 class OpenAIService:
-    def __init__(self, aengine: AsyncEngine, served_model_name: str | None = None,
+    def __init__(self, client: EngineClient, served_model_name: str | None = None,
                  default_max_tokens: int = 512, metrics: ServerMetrics | None = None) -> None:
-        self.aengine = aengine
-        self.engine = aengine.engine
-        self.tokenizer = self.engine.tokenizer
-        self.models = ServedModels.of(self.engine, served_model_name)
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.space = client.embedding_space
+        self.models = ServedModels.of(self.space, served_model_name)
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
         self.created = int(time.time())
@@ -82,13 +83,13 @@ class OpenAIService:
             raise _unknown_model(req.model, list(self.models.embedding))
         inputs = _as_inputs(req.input, "input")
         adapter = self.models.embedding[req.model]
-        params = self.engine.default_pooling_params() if adapter is None else PoolingParams(adapter=adapter)
-        width = self.engine.embedding_dimension(self.engine.embedding_route(params))
-        if req.dimensions is not None and req.dimensions != width:
+        params = self.space.default_pooling() if adapter is None else PoolingParams(adapter=adapter)
+        width = self.space.dimension(self.space.route(params))
+        if req.dimensions is not None and width is not None and req.dimensions != width:
             raise bad_request(f"dimensions={req.dimensions} is not supported: {req.model} gives {width}-dimensional "
                               "vectors", "dimensions")
         self._reserve(len(inputs))
-        outs = await self.guard(self.aengine.embed_many(inputs, params), run)
+        outs = await self.guard(self.client.embed_many(inputs, params), run)
         data, tokens = [], 0
         for i, out in enumerate(outs):
             vector = out.embedding.detach().float().cpu().numpy().astype("<f4")
@@ -121,7 +122,7 @@ class OpenAIService:
         self._reserve(len(params))
 
         async def _all() -> list[GenerationOutput]:
-            tasks = [asyncio.ensure_future(self.aengine.generate(prompt, p)) for p in params]
+            tasks = [asyncio.ensure_future(self.client.generate(prompt, p)) for p in params]
             try:
                 return list(await asyncio.gather(*tasks))
             except BaseException:
@@ -142,7 +143,7 @@ class OpenAIService:
 
         async def _pump(i: int, p: SamplingParams) -> None:
             try:
-                async for snap in self.aengine.generate_stream(prompt, p):
+                async for snap in self.client.generate_stream(prompt, p):
                     await queue.put((i, snap))
             except BaseException as exc:  # noqa: BLE001 (handed to the consumer)
                 await queue.put((i, exc))
@@ -170,9 +171,9 @@ class OpenAIService:
 
     # ---- failures -------------------------------------------------------------------------------------------
     def _reserve(self, n: int) -> None:
-        """Room for `n` more requests under the AsyncEngine's pending limit, or an error (nothing is submitted
-        then): a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429."""
-        limit, pending = self.aengine.max_in_flight, self.aengine.num_pending
+        """Room for `n` more requests under the client's in-flight limit, or an error (nothing is submitted then):
+        a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429."""
+        limit, pending = self.client.max_in_flight, self.client.num_in_flight
         if n > limit:
             raise bad_request(f"this request needs {n} engine requests (one per input, prompt and choice); the "
                               f"server takes at most {limit} at a time (engine.max_in_flight): split it")

@@ -1,12 +1,12 @@
-"""How the LangChain components reach an engine: in-process (`LocalOrthrus`, one shared AsyncEngine) or over
+"""How the LangChain components reach an engine: in-process (`LocalOrthrus`, one shared `EngineClient`) or over
 HTTP (`RemoteOrthrus`, the official `openai` client against `orthrus-rag serve`). Both speak the OpenAI API's
-dicts, and the in-process path runs the server's own `OpenAIService`, so a component behaves the same either way.
+dicts, and the in-process path calls the server's own `OpenAIService` directly (its chunks as dicts, no HTTP or
+SSE text in between), so a component behaves the same either way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.entrypoints.openai import generation
 from orthrus_rag.entrypoints.openai.errors import OpenAIError
@@ -57,10 +58,11 @@ class LocalOrthrus:
     _shared: "weakref.WeakKeyDictionary[Engine, LocalOrthrus]" = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
-    def __init__(self, engine: Engine | AsyncEngine, served_model_name: str | None = None,
+    def __init__(self, engine: Engine | EngineClient, served_model_name: str | None = None,
                  max_in_flight: int = 1024) -> None:
-        self.aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_in_flight=max_in_flight)
-        self.service = OpenAIService(self.aengine, served_model_name)
+        self.client: EngineClient = (AsyncEngine(engine, max_in_flight=max_in_flight) if isinstance(engine, Engine)
+                                     else engine)
+        self.service = OpenAIService(self.client, served_model_name)
         self.generation_model = self.service.models.generation
         self.embedding_models = list(self.service.models.embedding)
         self.loop = asyncio.new_event_loop()
@@ -68,7 +70,7 @@ class LocalOrthrus:
         self._thread.start()
 
     @classmethod
-    def of(cls, engine: "Engine | AsyncEngine | LocalOrthrus") -> "LocalOrthrus":
+    def of(cls, engine: "Engine | EngineClient | LocalOrthrus") -> "LocalOrthrus":
         """The one LocalOrthrus of `engine` (made on first use)."""
         if isinstance(engine, LocalOrthrus):
             return engine
@@ -98,10 +100,10 @@ class LocalOrthrus:
             raise
 
     def close(self) -> None:
-        """Shut the AsyncEngine and its loop down (the sync Engine stays usable)."""
+        """Close the client and its loop (a sync Engine stays usable)."""
         if self.loop.is_closed():
             return
-        self.call(self.aengine.shutdown())
+        self.call(self.client.aclose())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
 
@@ -123,15 +125,9 @@ class LocalOrthrus:
         return await self.acall(generation.chat(self.service, ChatCompletionRequest.model_validate(payload)))
 
     async def _events(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The chunks the HTTP route would send, as dicts (on the engine's loop)."""
-        events = await generation.chat_stream(self.service, ChatCompletionRequest.model_validate(payload))
-        async for event in events:
-            data = event.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                return
-            body = json.loads(data)
-            if "error" in body:
-                raise OrthrusAPIError(500, body["error"]["message"])
+        """The chunks the HTTP route would send, as the service's dicts (on the engine's loop)."""
+        chunks = await generation.chat_stream(self.service, ChatCompletionRequest.model_validate(payload))
+        async for body in chunks:
             yield body
 
     def chat_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -152,7 +148,7 @@ class LocalOrthrus:
 
     async def agenerate(self, prompt: str, params: Any) -> Any:
         """A plain generation (Iter-RetGen's `generate`), on the engine's loop."""
-        return await self.acall(self.aengine.generate(prompt, params))
+        return await self.acall(self.client.generate(prompt, params))
 
 
 _END = object()

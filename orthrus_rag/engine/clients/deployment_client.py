@@ -1,4 +1,4 @@
-"""`ClientBridge`: awaitable (and blocking) generate / embed over any `ServingClient`.
+"""`DeploymentClient`: an `EngineClient` over any `ServingClient` (a two-process deployment, a benchmark peer).
 
 A `ServingClient` is made for one caller that submits and polls in a loop (the load drivers). A pipeline such as
 Iter-RetGen instead awaits single results from many coroutines. The bridge owns the client on one pump thread:
@@ -21,11 +21,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from orthrus_rag.engine.async_engine import refuse_inside_event_loop
 from orthrus_rag.engine.deploy.spec import WorkerError
+from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
@@ -42,8 +45,12 @@ class ClientFailed(RuntimeError):
     `resume=` continues) rather than recording every remaining question as failed."""
 
 
-class ClientBridge:
+class DeploymentClient:
     """Generate / embed through a `ServingClient` (`client.submit` / `poll` / `shutdown`), which it then owns.
+
+    `tokenizer` and `embedding_space` say what the system serves (it is opaque from here): the generation model's
+    tokenizer, and whose embeddings these are (an index built through the in-process engine serves here too when
+    the workers run this project's engine, `embedding_space.kind == "engine"`).
 
     `poll_s`: the longest a poll waits for the first finished output while requests are in flight, i.e. how late
     a new request can reach the client. `max_in_flight` bounds the requests handed to the client at once (more
@@ -51,25 +58,39 @@ class ClientBridge:
     """
 
     def __init__(self, client: Any, poll_s: float = 0.02, stall_timeout_s: float = 600.0,
-                 max_in_flight: int = 4096, name: str = "client-bridge") -> None:
+                 max_in_flight: int = 4096, name: str = "deployment", tokenizer: Any = None,
+                 embedding_space: EmbeddingSpace | None = None) -> None:
         if poll_s <= 0 or stall_timeout_s <= 0 or max_in_flight < 1:
             raise ValueError("poll_s and stall_timeout_s must be positive and max_in_flight at least 1")
-        self.client = client
+        self.client, self.name, self.tokenizer = client, name, tokenizer
+        self._space = embedding_space or EmbeddingSpace("unknown")
         self.poll_s, self.stall_timeout_s, self.max_in_flight = poll_s, stall_timeout_s, max_in_flight
         self._inbox: queue.Queue[tuple[str, str, Any, Any, Future]] = queue.Queue()
         self._in_flight: dict[str, Future] = {}
+        self._queued: dict[str, Future] = {}  # submitted, not yet handed to the client (abort cancels these)
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # NOTE: orders a submit's checks + put against the pump's final drain
         self._error: ClientFailed | None = None
         self._closed = False
         self._drained = False
-        self._thread = threading.Thread(target=self._pump, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._pump, name=f"{name}-pump", daemon=True)
         self._thread.start()
+
+    @property
+    def embedding_space(self) -> EmbeddingSpace:
+        return self._space
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight) + self._inbox.qsize()
+
+    def observe_steps(self, observer: Callable[[Any], None]) -> None:
+        return None  # NOTE: the steps run in other processes
 
     # ---- submitting (any thread) ---------------------------------------------------------------------------
     def submit(self, kind: str, input: str | Sequence[int],
-               params: SamplingParams | PoolingParams | None = None) -> Future:
+               params: SamplingParams | PoolingParams | None = None, request_id: str | None = None) -> Future:
         """Queue one request; its future resolves to the finished output or fails with `RequestFailed`."""
         if kind not in ("generate", "embed"):
             raise ValueError(f"unknown request kind {kind!r}; expected 'embed' or 'generate'")
@@ -78,15 +99,30 @@ class ClientBridge:
             if self._error is not None:
                 raise ClientFailed(str(self._error)) from self._error.__cause__
             if self._closed or self._drained:
-                raise RuntimeError("the ClientBridge is shut down")
-            self._inbox.put((kind, f"{kind[:3]}-{next(self._ids)}", input, params, future))
+                raise RuntimeError("the DeploymentClient is shut down")
+            rid = request_id or f"{kind[:3]}-{next(self._ids)}"
+            self._queued[rid] = future
+            self._inbox.put((kind, rid, input, params, future))
         return future
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationOutput:
-        return await asyncio.wrap_future(self.submit("generate", prompt, params))
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> GenerationOutput:
+        return await asyncio.wrap_future(self.submit("generate", prompt, params, request_id))
 
-    async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None) -> EmbeddingOutput:
-        return await asyncio.wrap_future(self.submit("embed", text, params))
+    async def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                              request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """The finished output as the one snapshot: a `ServingClient` reports only finished requests."""
+        yield await self.generate(prompt, params, request_id)
+
+    async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
+                    request_id: str | None = None) -> EmbeddingOutput:
+        return await asyncio.wrap_future(self.submit("embed", text, params, request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a request still queued here (it never reaches the system); False once it was handed over, since a
+        `ServingClient` cannot stop a request (the caller may still stop awaiting it)."""
+        future = self._queued.get(request_id)
+        return future is not None and future.cancel()
 
     async def embed_many(self, texts: Sequence[str | Sequence[int]],
                          params: PoolingParams | None = None) -> list[EmbeddingOutput]:
@@ -97,6 +133,7 @@ class ClientBridge:
     def embed_sync(self, texts: Sequence[str | Sequence[int]], params: PoolingParams | None = None,
                    timeout_s: float | None = None) -> list[EmbeddingOutput]:
         """Blocking `embed_many` (not from inside an event loop that other requests need)."""
+        refuse_inside_event_loop()
         futures = [self.submit("embed", t, params) for t in texts]
         return [f.result(timeout_s) for f in futures]
 
@@ -133,7 +170,7 @@ class ClientBridge:
             failure.__cause__ = exc
             self._error = failure
         finally:
-            reason = self._error or RuntimeError("the ClientBridge was shut down")
+            reason = self._error or RuntimeError("the DeploymentClient was shut down")
             with self._lock:  # no submit can queue behind this drain
                 self._drained = True
             self._fail(list(self._in_flight), reason)
@@ -152,6 +189,7 @@ class ClientBridge:
             except queue.Empty:
                 return
             block = False
+            self._queued.pop(rid, None)
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             try:
@@ -197,7 +235,10 @@ class ClientBridge:
         if close_client:
             self.client.shutdown()
 
-    def __enter__(self) -> "ClientBridge":
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.shutdown)  # NOTE: joins threads and worker processes: off the event loop
+
+    def __enter__(self) -> "DeploymentClient":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -217,3 +258,39 @@ def _error_of(out: EngineOutput) -> str | None:
 def _set_exception(future: Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def start_deployment(mode: str, config: Any, threads: tuple[int, ...]) -> DeploymentClient:
+    """The `dedicated` or `disagg-pd` workers of an `EngineConfig` (each worker's), as an `EngineClient`."""
+    from orthrus_rag.engine.deploy import DEPLOYMENTS
+
+    deployment = DEPLOYMENTS[mode](config, threads)
+    mc = config.model
+    try:
+        tokenizer = load_tokenizer(mc.name)
+        encoder_pooling = encoder_pooling_of(mc.embedding_model)
+    except BaseException:
+        deployment.shutdown()
+        raise
+    # NOTE: the workers' engines name each adapter after its folder, in load order (slots from 1)
+    slots = {Path(a).name: i for i, a in enumerate(mc.embedding_adapters, start=1)}
+    space = EmbeddingSpace(mc.name, mc.embedding_model, tuple(mc.embedding_adapters), slots, encoder_pooling)
+    return DeploymentClient(deployment, name=f"{mode} {threads}", tokenizer=tokenizer, embedding_space=space)
+
+
+def encoder_pooling_of(embedding_model: str | None) -> dict:
+    """The sentence-transformers pooling a separate embedding model ships with ({} for none)."""
+    if embedding_model is None:
+        return {}
+    from orthrus_rag.models.bert import read_sentence_transformers_pooling
+    from orthrus_rag.models.registry import resolve_model_path
+
+    return read_sentence_transformers_pooling(resolve_model_path(embedding_model))
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from orthrus_rag.models.registry import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(model)))

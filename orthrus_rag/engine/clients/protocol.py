@@ -1,0 +1,69 @@
+"""`EngineClient`: the one seam everything above the engine calls through.
+
+Pipelines, retrievers (the `Embedder`), the OpenAI server, the LangChain components and `orthrus-rag run` all take
+an `EngineClient`. Three implement it: `AsyncEngine` (one engine in this process), `DeploymentClient` (the
+two-process baselines, or a benchmark peer, over the submit/poll `ServingClient` seam) and `RemoteClient` (a
+running `orthrus-rag serve`, over HTTP). What the embeddings of a client are (`EmbeddingSpace`) travels with it,
+so an index built through one client is searched only through a client of the same space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from orthrus_rag.engine.routing import EmbeddingSpace
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Generate and embed through some serving of the engine. Async methods run on the caller's event loop (one
+    per client: its first request binds it); `embed_sync` is the blocking form for code outside any loop."""
+
+    name: str  # for logs and run labels, e.g. "engine (orthrus)", "dedicated (1, 1)"
+    tokenizer: Any  # the generation model's tokenizer (its chat template renders prompts); None if unknown
+
+    @property
+    def embedding_space(self) -> EmbeddingSpace: ...
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests admitted at once without refusing any (what a pipeline's concurrency is sized from)."""
+        ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> GenerationOutput: ...
+
+    def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                        request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """Growing snapshots, the last with `finished=True`; leaving early aborts the request."""
+        ...
+
+    async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
+                    request_id: str | None = None) -> EmbeddingOutput: ...
+
+    async def embed_many(self, texts: Sequence[str | Sequence[int]],
+                         params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """Submitted together, so they share steps; outputs in input order."""
+        ...
+
+    def embed_sync(self, texts: Sequence[str | Sequence[int]],
+                   params: PoolingParams | None = None) -> list[EmbeddingOutput]: ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request and free its work; False when it is unknown or finished."""
+        ...
+
+    def observe_steps(self, observer: Callable[[Any], None]) -> Callable[[], None] | None:
+        """Call `observer` with every engine step's `StepStats`; returns the function that stops it, or None
+        where the client cannot see its steps (another process, another machine)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the client owns (idempotent)."""
+        ...

@@ -1,0 +1,183 @@
+"""`RemoteClient`: an `EngineClient` over HTTP, for a running `orthrus-rag serve` (through the official `openai`
+client), so a pipeline, an `EngineEmbedder` or the benchmark's Iter-RetGen run against a server the same way they
+run in process.
+
+The OpenAI API carries less than an engine request: generations come back as text (no token ids), and an
+embedding takes the server's pooling for the model it names. So `PoolingParams` here choose the model (the
+adapter's name, else the server's default embedding model) and may add an `instruction` (prefixed here, as the
+engine would); any other pooling setting is refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from orthrus_rag.engine.routing import EmbeddingSpace
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.params import PoolingParams, SamplingParams
+
+# PoolingParams fields a request may set over HTTP: the rest are the server's (its model's pooling)
+_REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority"}
+
+
+class RemoteClient:
+    """`base_url`: the server's OpenAI base URL (ending in /v1). `max_in_flight` bounds what this client sends at
+    once (the server's own limit answers 429 beyond it; the openai client retries those `max_retries` times)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None,
+                 max_retries: int = 2, max_in_flight: int = 64, tokenizer: Any = None) -> None:
+        import openai
+
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self.name, self.tokenizer, self.max_in_flight = f"remote {base_url}", tokenizer, max_in_flight
+        self._kwargs: dict[str, Any] = {"base_url": base_url, "api_key": api_key or "none", "max_retries": max_retries}
+        if timeout is not None:
+            self._kwargs["timeout"] = timeout
+        self._sync = openai.OpenAI(**self._kwargs)
+        # NOTE: an async client's connections belong to one event loop; each loop gets its own
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+        self._space: EmbeddingSpace | None = None
+        self._num_in_flight = 0
+        self._ids = itertools.count()
+
+    # ---- what the server serves ---------------------------------------------------------------------------------
+    @property
+    def embedding_space(self) -> EmbeddingSpace:
+        """From GET /v1/models: the generation model first, then the embedding models (an adapter by its name)."""
+        if self._space is None:
+            ids = [m.id for m in self._sync.models.list()]
+            if not ids:
+                raise RuntimeError(f"{self.name} serves no model")
+            generation, embedding = ids[0], ids[1:]
+            encoder = embedding[0] if embedding and embedding[0] != generation else None
+            adapters = [name for name in embedding if name not in (generation, encoder)]
+            self._space = EmbeddingSpace(generation, encoder, tuple(adapters),
+                                         {a: i for i, a in enumerate(adapters, start=1)})
+        return self._space
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def observe_steps(self, observer: Callable[[Any], None]) -> None:
+        return None  # NOTE: the steps run on the server (its /metrics shows them)
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    def _completion_args(self, prompt: str | Sequence[int], params: SamplingParams | None) -> dict[str, Any]:
+        p = params or SamplingParams()
+        if not isinstance(prompt, str):
+            prompt = list(prompt)
+        args = {"model": self.embedding_space.model, "prompt": prompt, "max_tokens": p.max_tokens,
+                "temperature": p.temperature, "top_p": p.top_p, "stop": list(p.stop) or None}
+        if p.seed is not None:
+            args["seed"] = p.seed
+        return args
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> GenerationOutput:
+        with self._counted(1):
+            out = await self._aclient().completions.create(**self._completion_args(prompt, params))
+        choice = out.choices[0]
+        return GenerationOutput(request_id or out.id, [], [], choice.text, choice.finish_reason)
+
+    async def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                              request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """Cumulative snapshots from the server's stream; leaving early closes it (the server aborts)."""
+        text, rid = "", request_id or f"remote-{next(self._ids)}"
+        with self._counted(1):
+            stream = await self._aclient().completions.create(**self._completion_args(prompt, params), stream=True)
+            async with stream:
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        text += choice.text or ""
+                        done = choice.finish_reason is not None
+                        yield GenerationOutput(rid, [], [], text, choice.finish_reason, finished=done)
+
+    # ---- embeddings ---------------------------------------------------------------------------------------------
+    def _embedding_args(self, texts: Sequence[str | Sequence[int]], params: PoolingParams | None) -> dict[str, Any]:
+        space = self.embedding_space
+        if params is not None:
+            given = {f.name for f in fields(PoolingParams) if getattr(params, f.name) != f.default}
+            refused = sorted(given - _REMOTE_POOLING)
+            if refused:
+                raise ValueError(f"{self.name} pools with its model's own settings; {', '.join(refused)} cannot "
+                                 "be set over the OpenAI API (choose the model by its adapter name instead)")
+        route = space.route(params)
+        model = route.adapter or (space.embedding_model if route.on_encoder else space.model)
+        prefix = (params.instruction if params is not None else None) or ""
+        inputs = [prefix + t if isinstance(t, str) else list(t) for t in texts]
+        if prefix and any(not isinstance(t, str) for t in texts):
+            raise ValueError("an instruction prefixes text; token-id inputs cannot take one here")
+        return {"model": model, "input": inputs, "encoding_format": "base64"}
+
+    async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
+                    request_id: str | None = None) -> EmbeddingOutput:
+        return (await self.embed_many([text], params))[0]
+
+    async def embed_many(self, texts: Sequence[str | Sequence[int]],
+                         params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        args = self._embedding_args(texts, params)  # NOTE: one HTTP request: the server embeds them together
+        with self._counted(len(texts)):
+            out = await self._aclient().embeddings.create(**args)
+        return _embeddings(out)
+
+    def embed_sync(self, texts: Sequence[str | Sequence[int]],
+                   params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        return _embeddings(self._sync.embeddings.create(**self._embedding_args(texts, params)))
+
+    async def abort(self, request_id: str) -> bool:
+        return False  # NOTE: over HTTP a request stops when its caller stops awaiting it (the server aborts it)
+
+    async def aclose(self) -> None:
+        current = asyncio.get_running_loop()
+        for loop, client in list(self._async.items()):
+            if loop is current:  # NOTE: another loop's connections cannot be closed from here (it may be gone)
+                await client.close()
+        self._async.clear()
+        self._sync.close()
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    def _aclient(self) -> Any:
+        import openai
+
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            client = self._async[loop] = openai.AsyncOpenAI(**self._kwargs)
+        return client
+
+    def _counted(self, n: int) -> "_InFlight":
+        return _InFlight(self, n)
+
+
+class _InFlight:
+    def __init__(self, client: RemoteClient, n: int) -> None:
+        self.client, self.n = client, n
+
+    def __enter__(self) -> None:
+        self.client._num_in_flight += self.n
+
+    def __exit__(self, *exc: object) -> None:
+        self.client._num_in_flight -= self.n
+
+
+def _embeddings(out: Any) -> list[EmbeddingOutput]:
+    items = sorted(out.data, key=lambda d: d.index)
+    return [EmbeddingOutput(f"{out.model}-{d.index}", [], _vector(d.embedding)) for d in items]
+
+
+def _vector(data: str | list[float]) -> torch.Tensor:
+    """An embedding item in either encoding (base64 little-endian float32, or a list)."""
+    if isinstance(data, str):
+        return torch.from_numpy(np.frombuffer(base64.b64decode(data), dtype="<f4").astype(np.float32))
+    return torch.tensor(data, dtype=torch.float32)
