@@ -103,6 +103,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 """
 
 _LOCK = threading.Lock()
+# a build takes ~30-60 s; a lock file older than this was left by a build that was killed (torch's loader would
+# wait on it forever: its lock is a bare O_EXCL file that names no owner)
+STALE_LOCK_S = 600.0
 
 
 def _build_name() -> str:
@@ -116,6 +119,7 @@ def _module() -> Any:  # the compiled extension, or None where it cannot be buil
 
     with _LOCK:
         try:
+            _clear_stale_lock(cpp_extension, _build_name())
             # NOTE: torch's loader reuses a build it finds; only the first use on a machine compiles
             logger.info("loading the CPU decode-attention kernel (compiled on first use per machine: ~30-60 s)")
             return cpp_extension.load_inline(
@@ -125,6 +129,27 @@ def _module() -> Any:  # the compiled extension, or None where it cannot be buil
         except Exception as exc:  # NOTE: no compiler, no ninja, an unusual platform: SDPA still works
             logger.warning("CPU decode-attention kernel unavailable (%s: %s); using SDPA", type(exc).__name__, exc)
             return None
+
+
+def _clear_stale_lock(cpp_extension: Any, name: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build folder's lock file if it is older than `max_age_s`; True if one was removed."""
+    import os
+    import time
+
+    folder = cpp_extension._get_build_directory(name, False)  # NOTE: private, but the one place torch puts it
+    lock = os.path.join(folder, "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False  # another process may be building right now: wait for it, as torch does
+    logger.warning("removing a stale build lock %s (%.0f s old: a killed build left it)", lock, age)
+    try:
+        os.remove(lock)
+    except FileNotFoundError:  # NOTE: another process removed it first
+        pass
+    return True
 
 
 def decode_kernel_available() -> bool:
