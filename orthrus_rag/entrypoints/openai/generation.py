@@ -74,7 +74,7 @@ async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> Asy
     if req.logprobs:
         raise bad_request("logprobs are not supported with stream=true; ask without streaming", "logprobs")
     prompt = chat_prompt(service, req)
-    service._reserve(len(params))
+    service.reserve(len(params))
     rid, created, model = new_id("chatcmpl"), int(time.time()), service.models.generation
 
     def chunk(choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
@@ -111,7 +111,7 @@ def _completion_params(service: OpenAIService, req: CompletionRequest) -> tuple[
 
 async def completions(service: OpenAIService, req: CompletionRequest, run: Runner | None = None) -> dict[str, Any]:
     prompts, params = _completion_params(service, req)
-    service._reserve(len(prompts) * len(params))
+    service.reserve(len(prompts) * len(params))
     # NOTE: every prompt's samples are submitted together, so they share engine steps
     tasks = [asyncio.ensure_future(service.generate_many(prompt, params, run)) for prompt in prompts]
     try:
@@ -139,7 +139,7 @@ async def completions_stream(service: OpenAIService, req: CompletionRequest) -> 
         raise bad_request("stream=true takes one prompt per request", "prompt")
     if req.logprobs is not None:
         raise bad_request("logprobs are not supported with stream=true; ask without streaming", "logprobs")
-    service._reserve(len(params))
+    service.reserve(len(params))
     rid, created, model = new_id("cmpl"), int(time.time()), service.models.generation
 
     async def events() -> AsyncIterator[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 The HTTP routes (api.py) and the in-process LangChain components both call it, so there is one owner of what
 `n`, `stop`, `seed`, `max_tokens`, the chat template, `encoding_format` and the 400-or-429 admission rule
-(`_reserve`) mean. It runs on the event loop the client is bound to; every failure is an `OpenAIError` with the status and message a caller sees."""
+(`reserve`) mean. It runs on the event loop the client is bound to; every failure is an `OpenAIError` with the status and message a caller sees."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class OpenAIService:
         if req.dimensions is not None and width is not None and req.dimensions != width:
             raise bad_request(f"dimensions={req.dimensions} is not supported: {req.model} gives {width}-dimensional "
                               "vectors", "dimensions")
-        self._reserve(len(inputs))
+        self.reserve(len(inputs))
         outs = await self.guard(self.client.embed_many(inputs, params), run)
         data, tokens = [], 0
         for i, out in enumerate(outs):
@@ -119,7 +119,7 @@ class OpenAIService:
     async def generate_many(self, prompt: str | list[int], params: Sequence[SamplingParams],
                             run: Callable[[Awaitable[T]], Awaitable[T]] | None = None) -> list[GenerationOutput]:
         """One prompt, one request per params (n samples), submitted together."""
-        self._reserve(len(params))
+        self.reserve(len(params))
 
         async def _all() -> list[GenerationOutput]:
             tasks = [asyncio.ensure_future(self.client.generate(prompt, p)) for p in params]
@@ -138,7 +138,7 @@ class OpenAIService:
     async def stream_many(self, prompt: str | list[int], params: Sequence[SamplingParams],
                           ) -> AsyncIterator[tuple[int, GenerationOutput]]:
         """(choice index, snapshot) from `len(params)` streams merged as they come; leaving early aborts all."""
-        self._reserve(len(params))
+        self.reserve(len(params))
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def _pump(i: int, p: SamplingParams) -> None:
@@ -170,7 +170,7 @@ class OpenAIService:
             self.metrics.observe_request("generate", out.metrics, len(out.prompt_token_ids), len(out.token_ids))
 
     # ---- failures -------------------------------------------------------------------------------------------
-    def _reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> None:
         """Room for `n` more requests under the client's in-flight limit, or an error (nothing is submitted then):
         a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429."""
         limit, pending = self.client.max_in_flight, self.client.num_in_flight

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.clients.protocol import EngineClient
+from orthrus_rag.engine.clients.remote import RemoteClient
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.entrypoints.openai import generation
 from orthrus_rag.entrypoints.openai.errors import OpenAIError
@@ -181,30 +182,19 @@ async def _aunwrap(awaitable: Any) -> Any:
 
 # ---- over HTTP ---------------------------------------------------------------------------------------------
 class RemoteOrthrus:
-    """`orthrus-rag serve` at `base_url` (e.g. http://127.0.0.1:8000/v1) through the official openai client."""
+    """`orthrus-rag serve` at `base_url` (e.g. http://127.0.0.1:8000/v1) through the official openai client: the
+    chat dicts here, generation and the connections through the project's `RemoteClient`."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None,
                  max_retries: int = 2) -> None:
-        import openai
-
-        kwargs: dict[str, Any] = {"base_url": base_url, "api_key": api_key or "none", "max_retries": max_retries}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        self._kwargs = kwargs
-        self.client = openai.OpenAI(**kwargs)
-        # NOTE: an async client's connections belong to one event loop; each loop (e.g. each asyncio.run) gets its own
-        self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+        self.remote = RemoteClient(base_url, api_key, timeout, max_retries)
+        self.client = self.remote._sync
         self._models: list[str] | None = None
 
     @property
     def aclient(self) -> Any:
-        import openai
-
-        loop = asyncio.get_running_loop()
-        client = self._aclients.get(loop)
-        if client is None:
-            client = self._aclients[loop] = openai.AsyncOpenAI(**self._kwargs)
-        return client
+        """The async openai client of the running event loop (connections belong to one loop)."""
+        return self.remote._aclient()
 
     @property
     def generation_model(self) -> str:
@@ -246,13 +236,7 @@ class RemoteOrthrus:
 
     async def agenerate(self, prompt: str, params: Any) -> Any:
         """A plain generation through /v1/completions, shaped like the engine's output (`.text`)."""
-        from orthrus_rag.outputs import GenerationOutput
-
-        out = await self.aclient.completions.create(
-            model=self.generation_model, prompt=prompt, max_tokens=params.max_tokens,
-            temperature=params.temperature, top_p=params.top_p, seed=params.seed, stop=params.stop or None)
-        choice = out.choices[0]
-        return GenerationOutput(out.id, [], [], choice.text, choice.finish_reason)
+        return await self.remote.generate(prompt, params)
 
 
 def make_transport(engine: Any = None, base_url: str | None = None, api_key: str | None = None,
