@@ -1,4 +1,4 @@
-"""What serves a pipeline run (`engine.serving`): the one co-scheduled engine, or a two-process deployment, or
+"""What serves a pipeline run (`deploy.mode`): the one co-scheduled engine, or a two-process deployment, or
 (in the benchmarks) a peer such as vLLM. A `Backend` hands the pipeline a generation client, embedders and the tokenizer
 whose chat template renders prompts, so `app.run` is the same code for all of them."""
 

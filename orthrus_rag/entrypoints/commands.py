@@ -25,14 +25,14 @@ def load_examples(cfg: Any) -> list:
 
 
 def build_backend(cfg: Any):  # -> Backend
-    """`engine.serving`: `engine` (one co-scheduled engine) or a two-process deployment of it."""
+    """`deploy.mode`: `engine` (one co-scheduled engine) or a two-process deployment of it."""
     from orthrus_rag.backends import EngineBackend, deployment_backend
 
-    if cfg.engine.serving == "engine":
-        return EngineBackend(build_engine(cfg), max_in_flight=cfg.engine.max_in_flight)
-    threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
-    logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
-    return deployment_backend(cfg.engine.serving, engine_config_from(cfg), threads)
+    if cfg.deploy.mode == "engine":
+        return EngineBackend(build_engine(cfg), max_in_flight=cfg.deploy.max_in_flight)
+    threads = tuple(cfg.deploy.threads) if cfg.deploy.threads else (1, 1)
+    logger.info("starting the %s deployment (threads %s)", cfg.deploy.mode, threads)
+    return deployment_backend(cfg.deploy.mode, engine_config_from(cfg), threads)
 
 
 def _pooling(cfg: Any, backend: Any) -> tuple[Any, Any]:
@@ -100,7 +100,7 @@ def build_pipeline(cfg: Any, backend: Any, retriever: Any):  # -> IterRetGen
 
     p = cfg.pipeline
     admitted = default_concurrency(backend.max_in_flight)
-    concurrency = p.max_concurrency or default_concurrency(backend.max_in_flight, cfg.engine.max_num_seqs)
+    concurrency = p.max_concurrency or default_concurrency(backend.max_in_flight, cfg.scheduler.max_num_seqs)
     if concurrency > admitted:  # NOTE: more would fail questions with EngineQueueFull; let them wait instead
         logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
                        concurrency, backend.name, admitted, admitted)
@@ -119,7 +119,7 @@ def run_labels(cfg: Any, backend: Any, max_concurrency: int) -> dict[str, Any]:
     """What a run is, for its summary and for `orthrus-rag summarize` tables."""
     d = cfg.dataset
     return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "model": cfg.model.name,
-            "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy, "serving": backend.name,
+            "embedding_model": cfg.model.embedding_model, "policy": cfg.scheduler.policy, "serving": backend.name,
             "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "index_type": cfg.retriever.index_type,
             "k": cfg.retriever.k, "max_concurrency": max_concurrency}
 
@@ -144,7 +144,7 @@ def run(cfg: Any, backend: Any = None) -> dict[str, Any]:
     """Answer a dataset's questions with the configured pipeline, recording each into the run folder as it
     finishes (`run_dir`, or the folder `resume` names: its recorded questions are skipped); returns the summary.
 
-    `backend`: what serves the run (default: built from `cfg.engine`); it is closed at the end either way."""
+    `backend`: what serves the run (default: built from `cfg.deploy`); it is closed at the end either way."""
     from orthrus_rag.entrypoints.run_session import RunSession
 
     closing = _Closing(backend)

@@ -30,14 +30,14 @@ def serve(cfg: Any) -> None:
 
     validate(cfg)
     s = cfg.serve
-    if cfg.engine.serving != "engine":
-        raise ValueError(f"serve runs one co-scheduled engine; engine.serving={cfg.engine.serving!r} is a "
+    if cfg.deploy.mode != "engine":
+        raise ValueError(f"serve runs one co-scheduled engine; deploy.mode={cfg.deploy.mode!r} is a "
                          "benchmark baseline")
     if s.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: reachable from other machines%s", s.host,
                        "" if resolve_api_key(s.api_key) else " without an API key")
     engine = build_engine(cfg)
-    aengine = AsyncEngine(engine, max_in_flight=cfg.engine.max_in_flight)
+    aengine = AsyncEngine(engine, max_in_flight=cfg.deploy.max_in_flight)
     app = build_app(aengine, s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens)
     uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level)
 
