@@ -6,9 +6,10 @@ new engine field is a CLI key with no edit here; `deploy` (DeployConf) is how th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from orthrus_rag.backends import SERVINGS
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig

@@ -239,7 +239,10 @@ def _old_style(saved: str) -> str:
 
     cfg = yaml.safe_load(saved)
     model, sched, cache, deploy = (cfg.pop(k) for k in ("model", "scheduler", "cache", "deploy"))
-    keep = lambda node, keys: {k: node[k] for k in keys}  # noqa: E731 (the fields the old schema had)
+
+    def keep(node: dict, keys: tuple[str, ...]) -> dict:  # the fields the old schema had
+        return {k: node[k] for k in keys}
+
     cfg["model"] = {**keep(model, ("name", "embedding_model", "dtype", "device", "linear_kernel",
                                    "attention_backend")),
                     "embedding_adapter": None, "num_threads": deploy["num_threads"]}
