@@ -1,22 +1,28 @@
 """Structured configs for the `orthrus-rag` CLI (registered in Hydra's ConfigStore as `schema`): typos and
-wrong types fail at compose time, and `validate` catches bad values before any model loads."""
+wrong types fail at compose time, and `validate` catches bad values before any model loads.
+
+The engine's settings are the engine's own dataclasses (`model`, `cache`, `scheduler`: orthrus_rag/config.py), so a
+new engine field is a CLI key with no edit here; `deploy` (DeployConf) is how the engine is run."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orthrus_rag.engine.deploy import DEPLOYMENTS
+from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.data.loaders import DATASETS as _DATASET_SPECS
 from orthrus_rag.pipelines.iter_retgen import PIPELINES
 from orthrus_rag.retrievers.faiss_index import INDEX_TYPES
 
-# NOTE: the names come from the modules that implement them, so a new dataset/index/pipeline needs no edit here
 logger = logging.getLogger(__name__)
+# NOTE: the names come from the modules that implement them, so a new dataset/index/pipeline needs no edit here
 DATASETS = tuple(_DATASET_SPECS)
 SERVINGS = ("engine", *DEPLOYMENTS)  # one co-scheduled engine, or a two-process deployment of it
+ENGINE_NODES = ("model", "cache", "scheduler")  # AppConf nodes that are EngineConfig's parts, by the same name
 
 
 @dataclass
@@ -31,38 +37,13 @@ class DatasetConf:
 
 
 @dataclass
-class ModelConf:
-    name: str = "smollm2-135m-instruct"
-    embedding_model: str | None = "all-minilm-l6-v2"  # a separate encoder; None: embed with the backbone
-    embedding_adapter: str | None = None  # PEFT adapter folder for backbone embeddings
-    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
-    device: str = "cpu"
-    num_threads: int | None = None
-    # auto: the faster of dense / oneDNN, timed once per machine and remembered; dense or onednn pin it
-    linear_kernel: str = "auto"
-    attention_backend: str = "auto"  # auto | grouped | reference (varlen: CUDA)
+class DeployConf:
+    """How the engine runs: one in-process engine, or a two-process deployment of it (the baselines)."""
 
-
-APP_ENGINE_FIELDS = ("serving", "threads", "max_in_flight")  # EngineConf fields that are not engine options
-
-
-@dataclass
-class EngineConf:
-    serving: str = "engine"  # engine: one co-scheduled engine; dedicated / disagg-pd: two worker processes
+    mode: str = "engine"  # engine: one co-scheduled engine; dedicated / disagg-pd: two worker processes
     threads: list[int] | None = None  # torch threads per worker of a deployment (default 1 each)
-    policy: str = "orthrus"
-    max_num_batched_tokens: int = 256
-    max_num_seqs: int = 64
-    max_chunk_tokens: int = 256
-    min_share: float = 0.1
-    block_size: int = 16
-    kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = True  # share the KV of common prompt prefixes (few-shot demonstrations)
-    max_in_flight: int = 8192
-    # orthrus: size steps by a timed step-cost model; null: on CUDA only (true/false force it; false: reproducible)
-    cost_budget: bool | None = None
-    step_time_target: float | None = None  # seconds a step with decodes may take; None: their time x (1 + margin)
-    step_time_margin: float = 1.0
+    num_threads: int | None = None  # the one in-process engine's torch threads; None: torch's default
+    max_in_flight: int = 8192  # requests the async engine admits at once (more: EngineQueueFull / HTTP 429)
 
 
 @dataclass
@@ -103,8 +84,10 @@ class ServeConf:
 @dataclass
 class AppConf:
     dataset: DatasetConf = field(default_factory=DatasetConf)
-    model: ModelConf = field(default_factory=ModelConf)
-    engine: EngineConf = field(default_factory=EngineConf)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    deploy: DeployConf = field(default_factory=DeployConf)
     retriever: RetrieverConf = field(default_factory=RetrieverConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
     serve: ServeConf = field(default_factory=ServeConf)
@@ -119,7 +102,7 @@ class AppConf:
 
 # settings that change how a run goes, not what it computes: a resumed run may change them
 OPERATIONAL_KEYS = ("run_dir", "resume", "progress", "checkpoint_every", "pipeline.max_concurrency",
-                    "pipeline.question_timeout_s", "model.num_threads", "engine.max_in_flight")
+                    "pipeline.question_timeout_s", "deploy.num_threads", "deploy.max_in_flight")
 
 
 def register_configs() -> None:
@@ -142,16 +125,7 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"dataset.limit must be at least 1, got {cfg.dataset.limit}")
     if cfg.dataset.num_questions < 1:
         raise ValueError(f"dataset.num_questions must be at least 1, got {cfg.dataset.num_questions}")
-    _choice(cfg.model.linear_kernel, ("auto", "dense", "onednn"), "model.linear_kernel")
-    _choice(cfg.engine.serving, SERVINGS, "engine.serving")
-    threads = cfg.engine.threads
-    if threads is not None and (len(threads) != 2 or any(t < 1 for t in threads)):
-        raise ValueError(f"engine.threads must be two positive thread counts (one per worker), got {list(threads)}")
-    if cfg.engine.serving == "engine" and threads is not None:
-        raise ValueError("engine.threads sets a deployment's workers (engine=dedicated or disagg_pd); "
-                         "one engine takes model.num_threads")
-    if cfg.engine.serving != "engine" and cfg.model.num_threads is not None:
-        raise ValueError(f"model.num_threads sets one engine; the {cfg.engine.serving} workers take engine.threads")
+    _check_deploy(cfg.deploy)
     _choice(cfg.retriever.index_type, INDEX_TYPES, "retriever.index_type")
     if cfg.retriever.k < 1:
         raise ValueError(f"retriever.k must be at least 1, got {cfg.retriever.k}")
@@ -162,8 +136,9 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"pipeline.iterations must be at least 1, got {cfg.pipeline.iterations}")
     if cfg.pipeline.max_tokens < 1:
         raise ValueError(f"pipeline.max_tokens must be at least 1, got {cfg.pipeline.max_tokens}")
-    if cfg.model.embedding_adapter is not None and not Path(cfg.model.embedding_adapter).is_dir():
-        raise ValueError(f"model.embedding_adapter: no such folder: {cfg.model.embedding_adapter}")
+    for adapter in cfg.model.embedding_adapters:
+        if not Path(adapter).is_dir():
+            raise ValueError(f"model.embedding_adapters: no such folder: {adapter}")
     for key in ("nlist", "nprobe", "hnsw_m"):
         if cfg.retriever[key] < 1:
             raise ValueError(f"retriever.{key} must be at least 1, got {cfg.retriever[key]}")
@@ -172,19 +147,37 @@ def validate(cfg: Any) -> None:
     _check_serve(cfg.serve)
 
 
+def _check_deploy(d: Any) -> None:
+    _choice(d.mode, SERVINGS, "deploy.mode")
+    if d.threads is not None and (len(d.threads) != 2 or any(t < 1 for t in d.threads)):
+        raise ValueError(f"deploy.threads must be two positive thread counts (one per worker), got {list(d.threads)}")
+    if d.mode == "engine" and d.threads is not None:
+        raise ValueError("deploy.threads sets a deployment's workers (deploy=dedicated or disagg_pd); "
+                         "one engine takes deploy.num_threads")
+    if d.mode != "engine" and d.num_threads is not None:
+        raise ValueError(f"deploy.num_threads sets one engine; the {d.mode} workers take deploy.threads")
+    if d.max_in_flight < 1:
+        raise ValueError(f"deploy.max_in_flight must be at least 1, got {d.max_in_flight}")
+
+
+def _owned(prefix: str, build: Callable[[], Any]) -> Any:
+    """`build()`, a ValueError from the type that owns the rule named by its key group (`scheduler: ...`)."""
+    try:
+        return build()
+    except ValueError as exc:
+        raise ValueError(f"{prefix}: {exc}") from None
+
+
 def _check_owned_values(cfg: Any) -> None:
-    """Values whose rules live in the engine's own types (SamplingParams, PoolingParams, EngineConfig): build them
-    here, without weights, so a bad one fails at compose time with that type's message, named by its key."""
+    """Values whose rules live in the engine's own types (SamplingParams, PoolingParams, the EngineConfig parts'
+    __post_init__, the policy registry): build them here, without weights, so a bad one fails at compose time with
+    that type's message, named by its key group."""
     from orthrus_rag.params import PoolingParams, SamplingParams
 
-    for prefix, build in (("pipeline", lambda: SamplingParams(max_tokens=cfg.pipeline.max_tokens,
-                                                               temperature=cfg.pipeline.temperature)),
-                          ("retriever", lambda: PoolingParams(pooling=cfg.retriever.pooling)),
-                          ("engine", lambda: engine_config_from(cfg))):
-        try:
-            build()
-        except ValueError as exc:
-            raise ValueError(f"{prefix}: {exc}") from None
+    _owned("pipeline", lambda: SamplingParams(max_tokens=cfg.pipeline.max_tokens,
+                                              temperature=cfg.pipeline.temperature))
+    _owned("retriever", lambda: PoolingParams(pooling=cfg.retriever.pooling))
+    engine_config_from(cfg)
 
 
 def _check_serve(s: Any) -> None:
@@ -202,28 +195,28 @@ def build_engine(cfg: Any):  # -> Engine
 
 
 def build_client(cfg: Any):  # -> EngineClient
-    """The `EngineClient` that `run`, `index` and `serve` go through. `engine.serving`: `engine` (one co-scheduled
+    """The `EngineClient` that `run`, `index` and `serve` go through. `deploy.mode`: `engine` (one co-scheduled
     engine, an `AsyncEngine`) or a two-process deployment of it."""
     from orthrus_rag.engine.async_engine import AsyncEngine
     from orthrus_rag.engine.clients import start_deployment
 
-    if cfg.engine.serving == "engine":
-        return AsyncEngine(build_engine(cfg), max_in_flight=cfg.engine.max_in_flight)
-    threads = tuple(cfg.engine.threads) if cfg.engine.threads else (1, 1)
-    logger.info("starting the %s deployment (threads %s)", cfg.engine.serving, threads)
-    return start_deployment(cfg.engine.serving, engine_config_from(cfg), threads)
+    if cfg.deploy.mode == "engine":
+        return AsyncEngine(build_engine(cfg), max_in_flight=cfg.deploy.max_in_flight)
+    threads = tuple(cfg.deploy.threads) if cfg.deploy.threads else (1, 1)
+    logger.info("starting the %s deployment (threads %s)", cfg.deploy.mode, threads)
+    return start_deployment(cfg.deploy.mode, engine_config_from(cfg), threads)
 
 
-def engine_config_from(cfg: Any):  # -> EngineConfig: the one engine, or each worker's of a deployment
-    """`cfg.model` and `cfg.engine` as an EngineConfig; every `engine.*` field but the app's own is an engine
-    option by the same name (engine/options.py owns the names). Loads nothing."""
-    from orthrus_rag.engine.options import engine_config as make
+def engine_config_from(cfg: Any) -> EngineConfig:  # the one engine, or each worker's of a deployment
+    """The `model`, `cache` and `scheduler` nodes as the engine's config (they are its dataclasses; their
+    __post_init__ checks run here), with `deploy.num_threads` and `seed`. Loads nothing."""
+    from omegaconf import OmegaConf
 
-    m = cfg.model
-    options = {k: cfg.engine[k] for k in cfg.engine if k not in APP_ENGINE_FIELDS}
-    return make(m.name, [m.embedding_adapter] if m.embedding_adapter else [], m.embedding_model, dtype=m.dtype,
-                device=m.device, num_threads=m.num_threads, seed=cfg.seed, linear_kernel=m.linear_kernel,
-                attention_backend=m.attention_backend, **options)
+    from orthrus_rag.engine.core.policies import check_policy
+
+    parts = {key: _owned(key, lambda key=key: OmegaConf.to_object(cfg[key])) for key in ENGINE_NODES}
+    _owned("scheduler", lambda: check_policy(parts["scheduler"].policy))  # the registry owns policy names
+    return EngineConfig(**parts, num_threads=cfg.deploy.num_threads, seed=cfg.seed)
 
 
 def _check_run_settings(cfg: Any) -> None:
@@ -236,8 +229,6 @@ def _check_run_settings(cfg: Any) -> None:
                          f"got {p.question_timeout_s}")
     if cfg.checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be at least 1, got {cfg.checkpoint_every}")
-    if cfg.engine.max_in_flight < 1:
-        raise ValueError(f"engine.max_in_flight must be at least 1, got {cfg.engine.max_in_flight}")
     if cfg.resume is not None and not Path(cfg.resume).is_dir():
         raise ValueError(f"resume: no such run folder: {cfg.resume}")
 
@@ -258,9 +249,49 @@ def _plain(cfg: Any) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
 
 
+# a run folder's config.yaml from before the engine's dataclasses became the config nodes (issue #17) names its
+# settings by these keys; the old names are frozen, so the table is written out rather than derived
+OLD_KEYS = {
+    "engine.serving": "deploy.mode", "engine.threads": "deploy.threads",
+    "engine.max_in_flight": "deploy.max_in_flight", "engine.max_pending": "deploy.max_in_flight",
+    "model.num_threads": "deploy.num_threads", "model.embedding_adapter": "model.embedding_adapters",
+    **{f"engine.{k}": f"scheduler.{k}" for k in (
+        "policy", "max_num_batched_tokens", "max_num_seqs", "max_chunk_tokens", "min_share", "cost_budget",
+        "step_time_target", "step_time_margin")},
+    **{f"engine.{k}": f"cache.{k}" for k in ("block_size", "kv_cache_gib", "enable_prefix_caching")},
+}
+
+
+def upgrade_saved(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (plain nested dicts) with its old keys (OLD_KEYS) renamed; a config already in today's
+    keys comes back unchanged."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for old, new in OLD_KEYS.items():
+        group, key = old.split(".")
+        if key not in out.get(group, {}):
+            continue
+        value = out[group].pop(key)
+        if new == "model.embedding_adapters":  # one optional folder then, a list of folders now
+            value = [] if value is None else [value]
+        new_group, new_key = new.split(".")
+        out.setdefault(new_group, {})[new_key] = value
+    if out.get("engine") == {}:
+        del out["engine"]
+    return out
+
+
+def saved_config(saved: Any) -> Any:  # -> DictConfig
+    """A run folder's saved config (config.yaml's text, or that loaded) in today's schema: old keys renamed, and
+    settings it predates at their defaults, which that run used."""
+    from omegaconf import OmegaConf
+
+    plain = _plain(OmegaConf.create(saved) if isinstance(saved, str) else saved)
+    return OmegaConf.merge(OmegaConf.structured(AppConf), upgrade_saved(plain))
+
+
 def config_diff(saved: Any, current: Any) -> list[str]:
     """`key: saved -> current` for every setting that differs, the operational ones aside."""
-    old, new = _flatten(_plain(saved)), _flatten(_plain(current))
+    old, new = _flatten(_plain(saved_config(saved))), _flatten(_plain(current))
     keys = sorted((set(old) | set(new)) - set(OPERATIONAL_KEYS))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
@@ -270,7 +301,7 @@ def resumed_config(saved_yaml: str, current: Any, overridden: set[str]) -> Any:
     settings in `overridden` (those given on the command line) taken from `current`."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.merge(OmegaConf.structured(AppConf), OmegaConf.create(saved_yaml))
+    cfg = saved_config(saved_yaml)
     for key in {"run_dir", "resume"} | (set(OPERATIONAL_KEYS) & overridden):
         OmegaConf.update(cfg, key, OmegaConf.select(current, key), merge=False)
     return cfg

@@ -1,4 +1,6 @@
-"""Engine configuration as plain dataclasses (no Hydra import: the CLI maps its configs onto these)."""
+"""Engine configuration as plain dataclasses. They import no Hydra, yet they are the CLI's config nodes
+(`model`, `cache`, `scheduler` in app_config.AppConf): every field is a CLI key by its own name, and the
+`__post_init__` checks below are the rules the CLI reports at compose time."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
     max_chunk_tokens: int = 256  # caps one request's chunk: bounds step latency
-    policy: str = "orthrus"  # orthrus | qlen-priority | hetero-fcfs | unified-homo
+    policy: str = "orthrus"  # a name in engine/core/policies.py POLICIES
     min_share: float = 0.1  # orthrus: least share of the residual budget for a non-empty kind
     encoder_token_weight: float = 0.25  # budget cost of one encoder token relative to one decoder token
     # orthrus: size steps that carry decodes by predicted time (engine/step_cost.py) rather than by tokens alone:
@@ -95,8 +97,9 @@ class SchedulerConfig:
             raise ValueError("step_time_margin must be >= 0 and min_step_tokens >= 1")
         if not 0.0 <= self.min_share <= 0.5:
             raise ValueError(f"min_share must be in [0, 0.5], got {self.min_share}")
-        # NOTE: the policy name is checked where policies live (engine/options.py, engine/policies.py), so this
-        # module imports nothing of the engine
+        # NOTE: the policy name is checked by the registry that owns the names (engine/core/policies.py
+        # check_policy, called by engine/options.py and app_config.engine_config_from), so this module imports
+        # nothing of the engine
 
 
 @dataclass

@@ -148,3 +148,24 @@ def test_chunk_equivalence_matches_whole_sequence_pooling(bench_script, tmp_path
     assert {(r["pooler"], r["chunk"]) for r in rows} == {(p, c) for p in ("mean", "last", "all") for c in (7, 64)}
     assert all(r["min_cosine"] > 0.9999 for r in rows)
     assert any(r["chunks_per_text"] > 1 for r in rows)
+
+
+def test_iter_retgen_commands_compose_as_app_configs(bench_script, tmp_path):
+    """Each system's `orthrus-rag run` command names the app's keys (scheduler=..., deploy=...): its overrides
+    compose and validate in the app's schema (no model is loaded here)."""
+    from bench.experiments.iter_retgen import system_command
+
+    from orthrus_rag.app_config import validate
+    from tests.test_app_config import _compose
+
+    cfg = compose_bench("iter_retgen", tmp_path, "experiment.dataset_path=null", "experiment.app_experiment=smoke",
+                        "engine.max_num_seqs=12")
+    got = {}
+    for system in ("orthrus", "hetero-fcfs", "dedicated", "disagg-pd"):
+        cmd = system_command(cfg, system, tmp_path / system)
+        app_cfg = _compose(*cmd[cmd.index("run") + 1:])
+        validate(app_cfg)
+        got[system] = (app_cfg.scheduler.policy, app_cfg.deploy.mode, app_cfg.deploy.threads)
+        assert (app_cfg.scheduler.max_num_batched_tokens, app_cfg.scheduler.max_num_seqs) == (64, 12)
+    assert got == {"orthrus": ("orthrus", "engine", None), "hetero-fcfs": ("hetero-fcfs", "engine", None),
+                   "dedicated": ("orthrus", "dedicated", [1, 1]), "disagg-pd": ("orthrus", "disagg-pd", [1, 1])}

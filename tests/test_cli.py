@@ -25,10 +25,13 @@ def no_models(monkeypatch):
     ("pipeline.max_tokens=0", "max_tokens"),
     ("retriever.pooling=median", "unknown pooling type 'median'"),
     ("retriever.nprobe=0", "retriever.nprobe"),
-    ("engine.max_num_batched_tokens=0", "max_num_batched_tokens"),
-    ("engine.min_share=0.9", "min_share"),
-    ("engine.kv_cache_gib=-1", "kv_cache_gib"),
-    ("model.dtype=float8", "unknown dtype"),
+    ("scheduler.max_num_batched_tokens=0", "scheduler: max_num_batched_tokens"),
+    ("scheduler.min_share=0.9", "scheduler: min_share"),
+    ("cache.kv_cache_gib=-1", "cache: kv_cache_gib"),
+    ("model.dtype=float8", "model: unknown dtype"),
+    ("model.linear_kernel=fast", "model: unknown linear_kernel 'fast'"),
+    ("scheduler.policy=fifo", "scheduler: unknown scheduling policy 'fifo'"),
+    ("deploy.max_in_flight=0", "deploy.max_in_flight"),
     ("serve.port=70000", "serve.port"),
 ])
 def test_bad_values_fail_before_any_model_loads_and_leave_no_folder(override, named, tmp_path, no_models, capsys):
@@ -72,5 +75,5 @@ def test_two_different_run_folders_are_refused(tmp_path, no_models, capsys):
     assert main(["run", f"run_dir={a}", f"hydra.run.dir={b}"]) == 2
     assert "two different folders" in capsys.readouterr().err
     assert not a.exists() and not b.exists()
-    assert main(["run", "-m", f"run_dir={a}", f"hydra.sweep.dir={b}", "engine=orthrus,hetero_fcfs"]) == 2
+    assert main(["run", "-m", f"run_dir={a}", f"hydra.sweep.dir={b}", "scheduler=orthrus,hetero_fcfs"]) == 2
     assert not a.exists() and not b.exists()

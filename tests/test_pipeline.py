@@ -71,7 +71,7 @@ def test_end_to_end_on_synthetic_with_small_models(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(Engine, "add_embed", spy)
     cfg = _compose("experiment=smoke", "dataset.num_questions=6", "pipeline.max_tokens=24", "retriever.k=3",
-                   f"run_dir={tmp_path}", "progress=false", "engine.max_num_batched_tokens=128")
+                   f"run_dir={tmp_path}", "progress=false", "scheduler.max_num_batched_tokens=128")
     summary = app.run(cfg)
     assert summary["num_questions"] == 6 and summary["num_failed"] == 0
     assert 0.0 <= summary["em"] <= summary["f1"] + 1e-9 <= 1.0 + 1e-9
@@ -103,8 +103,8 @@ def test_prefix_caching_serves_the_shared_prompt_prefix_and_changes_no_answer(tm
     # GEMMs of different row counts differ in the last bits (a near-tie greedy token then flips under load)
     base = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
             "progress=false", "pipeline.max_concurrency=1"]
-    plain = app.run(_compose(*base, f"run_dir={tmp_path / 'plain'}", "engine.enable_prefix_caching=false"))
-    cached = app.run(_compose(*base, f"run_dir={tmp_path / 'cached'}", "engine.enable_prefix_caching=true"))
+    plain = app.run(_compose(*base, f"run_dir={tmp_path / 'plain'}", "cache.enable_prefix_caching=false"))
+    cached = app.run(_compose(*base, f"run_dir={tmp_path / 'cached'}", "cache.enable_prefix_caching=true"))
     assert plain["engine"]["prefix_cache_hit_tokens"] == 0  # every step counts its own hits: none without the cache
     assert cached["engine"]["prefix_cache_hit_tokens"] > 0  # the few-shot prompt head is shared
     assert cached["engine"]["prefill_tokens"] < plain["engine"]["prefill_tokens"]

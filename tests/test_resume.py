@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # processes may pick differently) and steps sized by tokens, not by measured time. Retrieval scores may still
 # differ in fp32's last bits between processes (as between any two runs): floats compare to 1e-6 relative.
 ARGS = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
-        "pipeline.max_concurrency=1", "progress=false", "engine.max_num_batched_tokens=128", "checkpoint_every=2",
-        "model.linear_kernel=dense", "engine.cost_budget=false"]
+        "pipeline.max_concurrency=1", "progress=false", "scheduler.max_num_batched_tokens=128", "checkpoint_every=2",
+        "model.linear_kernel=dense", "scheduler.cost_budget=false"]
 
 
 def _same(a, b) -> bool:

@@ -232,14 +232,61 @@ def test_resume_drops_a_torn_last_line_and_refuses_another_config(tmp_path, monk
         app.run(_cfg(data, tmp_path / "x", f"resume={run}"), client=fake_client())
 
 
-def test_sweep_writes_one_run_folder_per_job_and_summarize_tables_them(tmp_path, monkeypatch, capsys):
-    """`-m engine=orthrus,hetero_fcfs`: two jobs, two run folders under run_dir, each with its config."""
+def _old_style(saved: str) -> str:
+    """A config.yaml as `orthrus-rag run` wrote it before the engine's dataclasses became the config nodes: the
+    scheduler, cache and deploy settings under `engine:`, the threads and the one adapter under `model:`."""
+    import yaml
+
+    cfg = yaml.safe_load(saved)
+    model, sched, cache, deploy = (cfg.pop(k) for k in ("model", "scheduler", "cache", "deploy"))
+
+    def keep(node: dict, keys: tuple[str, ...]) -> dict:  # the fields the old schema had
+        return {k: node[k] for k in keys}
+
+    cfg["model"] = {**keep(model, ("name", "embedding_model", "dtype", "device", "linear_kernel",
+                                   "attention_backend")),
+                    "embedding_adapter": None, "num_threads": deploy["num_threads"]}
+    cfg["engine"] = {"serving": deploy["mode"], "threads": deploy["threads"], "max_in_flight": deploy["max_in_flight"],
+                     **keep(sched, ("policy", "max_num_batched_tokens", "max_num_seqs", "max_chunk_tokens",
+                                    "min_share", "cost_budget", "step_time_target", "step_time_margin")),
+                     **keep(cache, ("block_size", "kv_cache_gib", "enable_prefix_caching"))}
+    return yaml.safe_dump(cfg)
+
+
+def test_a_run_folder_saved_with_the_old_keys_resumes(tmp_path, monkeypatch):
+    """`orthrus-rag run resume=<folder>` on a folder whose config.yaml names `engine.policy`, `model.num_threads`,
+    ...: the old keys map onto the new ones, and the run continues with its own settings."""
     from orthrus_rag.entrypoints.cli import main
 
-    monkeypatch.setattr(app, "build_client", lambda cfg: fake_client(policy=cfg.engine.policy))
+    built = []
+    monkeypatch.setattr(app, "build_client", lambda cfg: built.append(cfg) or fake_client())
+    data = write_dataset(tmp_path / "d.jsonl", 20)
+    run = tmp_path / "run"
+    args = ["dataset=2wiki", f"dataset.path={data}", "pipeline=no_retrieval", "progress=false",
+            "scheduler=hetero_fcfs", "scheduler.max_num_batched_tokens=128", "deploy.max_in_flight=50"]
+    assert main(["run", *args, f"run_dir={run}"]) == 0
+    saved = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(_old_style(saved))
+    assert "engine:" in (run / "config.yaml").read_text() and "scheduler:" not in (run / "config.yaml").read_text()
+    lines = (run / "records.jsonl").read_text().splitlines(keepends=True)
+    (run / "records.jsonl").write_text("".join(lines[:8]))  # stopped after 8 questions
+    assert main(["run", f"resume={run}"]) == 0
+    cfg = built[-1]
+    assert (cfg.scheduler.policy, cfg.scheduler.max_num_batched_tokens, cfg.deploy.max_in_flight) == \
+        ("hetero-fcfs", 128, 50)
+    assert [r["index"] for r in _records(run)] == list(range(20))
+    with pytest.raises(ValueError, match="scheduler.policy: 'hetero-fcfs' -> 'orthrus'"):
+        app.run(_cfg(data, tmp_path / "x", f"resume={run}"), client=fake_client())
+
+
+def test_sweep_writes_one_run_folder_per_job_and_summarize_tables_them(tmp_path, monkeypatch, capsys):
+    """`-m scheduler=orthrus,hetero_fcfs`: two jobs, two run folders under run_dir, each with its config."""
+    from orthrus_rag.entrypoints.cli import main
+
+    monkeypatch.setattr(app, "build_client", lambda cfg: fake_client(policy=cfg.scheduler.policy))
     data = write_dataset(tmp_path / "d.jsonl", 30)
     sweep = tmp_path / "sweep"
-    assert main(["run", "-m", "engine=orthrus,hetero_fcfs", "dataset=2wiki", f"dataset.path={data}",
+    assert main(["run", "-m", "scheduler=orthrus,hetero_fcfs", "dataset=2wiki", f"dataset.path={data}",
                  "pipeline=no_retrieval", "progress=false", f"run_dir={sweep}"]) == 0
     for job, policy in (("0", "orthrus"), ("1", "hetero-fcfs")):
         folder = sweep / job

@@ -250,7 +250,7 @@ def test_a_request_that_can_never_fit_is_400_naming_the_limit_not_429(served, cl
     assert too_many.status_code == 400 and "retry-after" not in too_many.headers
     assert f"at most {limit}" in too_many.json()["error"]["message"]
     retrying = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=3, timeout=60)
-    with pytest.raises(openai.BadRequestError, match="engine.max_in_flight"):
+    with pytest.raises(openai.BadRequestError, match="deploy.max_in_flight"):
         retrying.completions.create(model=served.model, prompt=["a", "b", "c"], n=3, max_tokens=1)
     fits = client.embeddings.create(model=served.embedding_model, input=["a"] * limit)  # exactly the limit: served
     assert len(fits.data) == limit
@@ -381,7 +381,7 @@ def test_api_key(served, monkeypatch):
 
 @pytest.mark.parametrize("overrides,message", [
     (["serve.port=70000"], "serve.port must be in"),
-    (["engine=dedicated"], "serve runs one co-scheduled engine"),
+    (["deploy=dedicated"], "serve runs one co-scheduled engine"),
     (["serve.default_max_tokens=0"], "serve.default_max_tokens must be at least 1"),
 ])
 def test_serve_command_refuses_bad_config_before_loading(overrides, message, tmp_path, capsys, monkeypatch):

@@ -1,6 +1,7 @@
 """The one place that turns engine options by name (`max_num_batched_tokens=128`, `policy="hetero-fcfs"`, ...) into
-an `EngineConfig`. `Engine.from_pretrained`, the app, the server, the deployments and the benchmark harness all
-build their config here, so a new engine setting needs no edit anywhere else.
+an `EngineConfig`. `Engine.from_pretrained`, the scripts and the benchmark harness build their config here, so a
+new engine setting needs no edit anywhere else (the CLI and the server need none either: their config nodes are
+the dataclasses themselves, app_config.engine_config_from).
 
 The policy name is checked by the policy registry (engine/policies.py), the one owner of policy names."""
 

@@ -2,7 +2,7 @@
 
     orthrus-rag run [overrides...]     answer a dataset's questions (Hydra; e.g. dataset=2wiki dataset.path=...)
     orthrus-rag run resume=RUN_DIR     continue a run that stopped: its recorded questions are skipped
-    orthrus-rag run -m engine=orthrus,hetero_fcfs ...   a sweep: one run folder per job under run_dir
+    orthrus-rag run -m scheduler=orthrus,hetero_fcfs ...   a sweep: one run folder per job under run_dir
     orthrus-rag summarize PATH...      table run folders (a sweep's jobs) side by side
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
     orthrus-rag serve [overrides...]   the OpenAI-compatible server (e.g. serve.port=8000 serve.api_key=...)

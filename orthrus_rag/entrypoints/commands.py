@@ -89,7 +89,7 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> IterRetGen
 
     p = cfg.pipeline
     admitted = default_concurrency(client.max_in_flight)
-    concurrency = p.max_concurrency or default_concurrency(client.max_in_flight, cfg.engine.max_num_seqs)
+    concurrency = p.max_concurrency or default_concurrency(client.max_in_flight, cfg.scheduler.max_num_seqs)
     if concurrency > admitted:  # NOTE: more would fail questions with EngineQueueFull; let them wait instead
         logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
                        concurrency, client.name, admitted, admitted)
@@ -108,7 +108,7 @@ def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:
     """What a run is, for its summary and for `orthrus-rag summarize` tables."""
     d = cfg.dataset
     return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "model": cfg.model.name,
-            "embedding_model": cfg.model.embedding_model, "policy": cfg.engine.policy, "serving": client.name,
+            "embedding_model": cfg.model.embedding_model, "policy": cfg.scheduler.policy, "serving": client.name,
             "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "index_type": cfg.retriever.index_type,
             "k": cfg.retriever.k, "max_concurrency": max_concurrency}
 
@@ -137,7 +137,7 @@ def run(cfg: Any, client: Any = None) -> dict[str, Any]:
     """Answer a dataset's questions with the configured pipeline, recording each into the run folder as it
     finishes (`run_dir`, or the folder `resume` names: its recorded questions are skipped); returns the summary.
 
-    `client`: the `EngineClient` that serves the run (default: built from `cfg.engine`); it is closed at the end
+    `client`: the `EngineClient` that serves the run (default: built from `cfg.deploy`); it is closed at the end
     either way."""
     from orthrus_rag.entrypoints.run_session import RunSession
 

@@ -60,8 +60,8 @@ def peer_client(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) -
 
     validate(cfg)  # before the peer's engines start
     m = cfg.model
-    if m.embedding_adapter is not None:
-        raise ValueError("a peer embeds without LoRA adapters; set model.embedding_adapter=null")
+    if m.embedding_adapters:
+        raise ValueError("a peer embeds without LoRA adapters; set model.embedding_adapters=[]")
     if m.embedding_model is None and cfg.retriever.pooling != "mean":
         # NOTE: the peers pool a decoder's states by mean + L2 only; anything else would be mislabelled
         raise ValueError(f"a peer embeds with mean pooling on the backbone, not {cfg.retriever.pooling!r}")

@@ -1,5 +1,6 @@
 """What the deployments share: the `Deployment` protocol, work items, errors, and how a worker builds its engine
-(from a picklable `EngineConfig`, made by `orthrus_rag.engine.options.engine_config`)."""
+(from a picklable `EngineConfig`: made by `orthrus_rag.engine.options.engine_config`, or by the CLI's
+`app_config.engine_config_from`)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ def serve(cfg: Any) -> None:
 
     validate(cfg)
     s = cfg.serve
-    if cfg.engine.serving != "engine":
-        raise ValueError(f"serve runs one co-scheduled engine; engine.serving={cfg.engine.serving!r} is a "
+    if cfg.deploy.mode != "engine":
+        raise ValueError(f"serve runs one co-scheduled engine; deploy.mode={cfg.deploy.mode!r} is a "
                          "benchmark baseline")
     if s.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: reachable from other machines%s", s.host,

@@ -176,7 +176,7 @@ class OpenAIService:
         limit, pending = self.client.max_in_flight, self.client.num_in_flight
         if n > limit:
             raise bad_request(f"this request needs {n} engine requests (one per input, prompt and choice); the "
-                              f"server takes at most {limit} at a time (engine.max_in_flight): split it")
+                              f"server takes at most {limit} at a time (deploy.max_in_flight): split it")
         if pending + n > limit:
             raise OpenAIError(429, f"the server is busy ({pending} requests pending, the limit is {limit}); retry "
                               "later", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -1,8 +1,8 @@
 """Iter-RetGen on 2WikiMultihopQA per system: question throughput and p50/p95/p99 end-to-end latency, with answer
 quality alongside (it must not change with the policy beyond sampling noise).
 
-Each policy or deployment is one `orthrus-rag run` (the command a user runs: `engine=orthrus`, ...,
-`engine=dedicated`), in its own process, into `out/<system>/`; a peer runs the same app through
+Each policy or deployment is one `orthrus-rag run` (the command a user runs: `scheduler=orthrus`, ...,
+`deploy=dedicated`), in its own process, into `out/<system>/`; a peer runs the same app through
 `peer_app.py` under its own interpreter. The table is built from the runs' summary.json and records.jsonl."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from ..peer_client import PEERS
 from ..report import _fmt, _plt, _save, write_json
 
 logger = logging.getLogger(__name__)
+# the fields of bench.yaml's `engine:` node that every system's `orthrus-rag run` shares (as scheduler.<name>)
+APP_SCHEDULER_KEYS = ("max_num_batched_tokens", "max_chunk_tokens", "max_num_seqs", "min_share")
 
 
 def cli() -> list[str]:
@@ -43,13 +45,12 @@ def app_overrides(cfg: DictConfig, run_dir: Path) -> list[str]:
     if x.limit is not None:
         data.append(f"dataset.limit={x.limit}")
     return [f"experiment={x.app_experiment}", *data, f"run_dir={run_dir}", "progress=false",
-            f"engine.max_num_batched_tokens={cfg.engine.max_num_batched_tokens}",
-            f"engine.max_chunk_tokens={cfg.engine.max_chunk_tokens}", f"engine.max_num_seqs={cfg.engine.max_num_seqs}",
-            f"engine.min_share={cfg.engine.min_share}", *x.overrides]
+            *(f"scheduler.{k}={cfg.engine[k]}" for k in APP_SCHEDULER_KEYS), *x.overrides]
 
 
 def system_command(cfg: DictConfig, system: str, run_dir: Path) -> list[str] | None:
-    """The command that runs Iter-RetGen on `system`: `orthrus-rag run engine=<policy or deployment>`, or
+    """The command that runs Iter-RetGen on `system`: `orthrus-rag run scheduler=<policy>` or
+    `deploy=<deployment>`, or
     peer_app.py under the peer's interpreter (None when that is not installed)."""
     shared = app_overrides(cfg, run_dir)
     if system in PEERS:
@@ -62,9 +63,11 @@ def system_command(cfg: DictConfig, system: str, run_dir: Path) -> list[str] | N
                 "--options", json.dumps(options), "--", *shared]
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))}")
-    engine = [f"engine={system.replace('-', '_')}"]
-    if system in ("dedicated", "disagg-pd"):
-        engine.append(f"engine.threads=[{','.join(str(t) for t in cfg.threads.split)}]")
+    group = system.replace("-", "_")  # the config group's file name
+    if system in ("dedicated", "disagg-pd"):  # a deployment of the engine (its policy: the default, orthrus)
+        engine = [f"deploy={group}", f"deploy.threads=[{','.join(str(t) for t in cfg.threads.split)}]"]
+    else:
+        engine = [f"scheduler={group}"]
     return [*cli(), "run", *shared, *engine]
 
 
