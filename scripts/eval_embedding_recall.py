@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     examples = load_qa(args.dataset, path=args.data, limit=args.limit)
     adapters = [str(args.adapter)] if "adapter" in args.configs else []
     engine = Engine.from_pretrained(
-        "smollm2-135m-instruct", embedding_adapter=adapters or None,
+        "smollm2-135m-instruct", embedding_adapters=adapters or None,
         embedding_model="all-minilm-l6-v2" if "minilm" in args.configs else None, num_threads=args.threads,
         max_num_batched_tokens=512, max_chunk_tokens=512, max_num_seqs=64)
     if adapters:  # NOTE: the adapter loads under its folder's name; the configs above call it "embed"

@@ -35,7 +35,7 @@ def adapter(tmp_path_factory, hf_smol):
 
 @pytest.fixture(scope="module")
 def adapter_engine(adapter):
-    return Engine.from_pretrained(SMOL, embedding_adapter=str(adapter[0]), **engine_overrides())
+    return Engine.from_pretrained(SMOL, embedding_adapters=str(adapter[0]), **engine_overrides())
 
 
 def test_embeddings_equal_peft_merged_model(adapter, adapter_engine, smol_tokenizer):

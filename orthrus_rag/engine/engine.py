@@ -76,14 +76,14 @@ class Engine:
         self.step_observers: list[Callable[[StepStats], None]] = []
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m-instruct", embedding_adapter: str | list[str] | None = None,
+    def from_pretrained(cls, model: str = "smollm2-135m-instruct", embedding_adapters: str | list[str] | None = None,
                         embedding_model: str | None = None, **overrides: Any) -> "Engine":
         """Load a decoder (built-in name, folder, .gguf or hub id), optional PEFT embedding adapters and an
         optional separate encoder. `overrides` set EngineConfig fields or sub-config fields by name
         (e.g. `max_num_batched_tokens=128`, `num_blocks=512`, `dtype="bfloat16"`)."""
         from orthrus_rag.engine.options import engine_config
 
-        return cls.from_config(engine_config(model, embedding_adapter, embedding_model, **overrides))
+        return cls.from_config(engine_config(model, embedding_adapters, embedding_model, **overrides))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
