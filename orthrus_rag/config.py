@@ -29,7 +29,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # on CUDA: decode-only steps replayed as CUDA graphs (engine/cuda_graphs.py)
     compile_elementwise: bool = True  # on CUDA: rotary and SiLU-mul as torch.compile'd fused kernels
-    cpu_decode_kernel: bool = True  # on CPU, fp32: decode attention in a C++ kernel over the paged cache
+    cpu_decode_kernel: bool = True  # on CPU, fp32 or bf16: decode attention in a C++ kernel over the paged cache
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -62,8 +62,8 @@ class ModelRunner:
             (torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device),
              torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
             for layer in model.attention_layers]
-        # CPU, fp32: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
-        self.decode_kernel = (cpu_decode_kernel and device.type == "cpu" and dtype == torch.float32
+        # CPU, fp32 or bf16: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
+        self.decode_kernel = (cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                               and decode_kernel_available())
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
         if cuda_graphs and device.type == "cuda":

@@ -9,7 +9,7 @@ kernel; so does this one.
 
 The kernel takes the step's key slots per sequence (planned once per step, shared by every layer) and, per
 (sequence, KV head) in parallel, scores the query heads of that KV head against each key, applies a softmax and
-sums the values: fp32, one pass over K, one over V. It is compiled on first use with torch's C++ extension
+sums the values: fp32 arithmetic over an fp32 or bf16 cache, one pass over K, one over V. It is compiled on first use with torch's C++ extension
 loader (needs a C++ compiler and ninja) into torch's extension cache, one build per CPU model; if that fails,
 the grouped backend keeps its SDPA path.
 """
@@ -35,21 +35,20 @@ _SOURCE = r"""
 #include <vector>
 // NOTE: built with -ffast-math so that the exp loop vectorises (libmvec); scores are finite by construction
 
-// q [B, H, D]; caches [slots, KVH, D]; key_slots [B, W] (int64); seq_lens [B] (int64). Returns [B, H, D].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor key_slots, torch::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "decode_attention: float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && key_slots.is_contiguous() &&
-              seq_lens.is_contiguous(), "decode_attention: contiguous caches and indices");
-  q = q.contiguous();
+// K/V elements as fp32: the cache is float32 or bfloat16 (the model's dtype); scores and sums are fp32 either way
+static inline float as_float(float x) { return x; }
+static inline float as_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+// q [B, H, D] fp32; caches [slots, KVH, D]; key_slots [B, W] (int64); seq_lens [B] (int64); out [B, H, D] fp32.
+template <typename T>
+static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& key_slots, const torch::Tensor& seq_lens, double scale, int64_t window,
+                   torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), G = H / KVH, W = key_slots.size(1);
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "decode_attention: head shapes");
-  auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* slots = key_slots.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -65,12 +64,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       const float* qb = qp + (b * H + h * G) * D;
       const int64_t* sb = slots + b * W + first;
       for (int64_t p = 0; p < n; ++p) {
-        const float* k = kp + (sb[p] * KVH + h) * D;
+        const T* k = kp + (sb[p] * KVH + h) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qb + g * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * as_float(k[d]);
           scores[g * n + p] = s * sc;
         }
       }
@@ -86,19 +85,34 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < n; ++p) {
-        const float* v = vp + (sb[p] * KVH + h) * D;
+        const T* v = vp + (sb[p] * KVH + h) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * n + p];
           float* a = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += w * as_float(v[d]);
         }
       }
       for (int64_t g = 0; g < G; ++g)
         std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, op + (b * H + h * G + g) * D);
     }
   });
-  return out;
+}
+
+// q [B, H, D] in the model's dtype; returns [B, H, D] in it.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor key_slots, torch::Tensor seq_lens, double scale, int64_t window) {
+  const auto kind = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kind && (kind == torch::kFloat || kind == torch::kBFloat16),
+              "decode_attention: float32 or bfloat16 caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && key_slots.is_contiguous() &&
+              seq_lens.is_contiguous(), "decode_attention: contiguous caches and indices");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2), "decode_attention: head shapes");
+  auto qf = q.to(torch::kFloat).contiguous();
+  auto out = torch::empty_like(qf);
+  if (kind == torch::kFloat) attend<float>(qf, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
+  else attend<at::BFloat16>(qf, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
+  return out.to(q.scalar_type());
 }
 """
 
