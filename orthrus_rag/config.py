@@ -19,7 +19,9 @@ class ModelConfig:
     name: str = "smollm2-135m-instruct"
     embedding_adapters: list[str] = field(default_factory=list)  # PEFT folders; the first is the default
     embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
-    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere (bf16 is not faster on CPUs without AMX)
+    # "auto": bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 / AMX: 3-4x fp32's GEMMs there),
+    # float32 on other CPUs; norms, rotary, softmax, logits, sampling and pooling sums run in fp32 either way
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # fp32 on CPU: Linear layers on torch's dense matmul or a oneDNN copy of their weights; "auto" times both on
@@ -40,7 +42,10 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+            from orthrus_rag.machine import has_native_bf16
+
+            native = torch.device(self.device).type == "cuda" or has_native_bf16()
+            return torch.bfloat16 if native else torch.float32
         return _DTYPES[self.dtype]
 
 

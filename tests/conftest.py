@@ -54,8 +54,11 @@ MINILM = "all-minilm-l6-v2"
 
 
 def engine_overrides(**kw: object) -> dict:
-    """Small-cache defaults for tests (the default 1 GiB cache is for real use)."""
-    base = {"num_blocks": 512, "max_num_batched_tokens": 64, "max_chunk_tokens": 32, "max_num_seqs": 32}
+    """Small-cache defaults for tests (the default 1 GiB cache is for real use), in fp32: the parity tests compare
+    against fp32 references whatever the CPU ("auto" is bf16 where it has bf16 dot products; the bf16 set is
+    tests/test_bf16_cpu.py)."""
+    base = {"num_blocks": 512, "max_num_batched_tokens": 64, "max_chunk_tokens": 32, "max_num_seqs": 32,
+            "dtype": "float32"}
     base.update(kw)
     return base
 

@@ -50,7 +50,10 @@ class Engine:
         hf = model.config
         max_len = config.model.max_model_len or hf.max_position_embeddings
         cache = config.cache
-        num_blocks = cache.resolve_num_blocks(kv_bytes_per_token(model, config.model.torch_dtype))
+        # NOTE: the model's own dtype (what `from_config` loaded it in, or what a caller built): the KV cache and
+        # the kernels follow the weights
+        dtype = next(model.parameters()).dtype
+        num_blocks = cache.resolve_num_blocks(kv_bytes_per_token(model, dtype))
         manager = PrefixCachingBlockManager if cache.enable_prefix_caching else BlockManager
         self.block_manager = manager(num_blocks, cache.block_size)
         # a generation stops ("length") before it outgrows the model's positions or the whole KV cache
@@ -60,7 +63,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, partial(
             update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
             StepCostModel() if _sizes_steps_by_cost(config) else None)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, device, config.model.torch_dtype, encoder,
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, device, dtype, encoder,
                                   config.scheduler.max_num_batched_tokens, config.model.attention_backend,
                                   config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel)
         if self.scheduler.cost_model is not None:

@@ -77,5 +77,8 @@ def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device:
                    if isinstance(m, torch.nn.Linear) and not getattr(m, "_fused", False)]
     # NOTE: measured once per machine and remembered: a timing near the threshold must not flip between runs
     # (a run resumed in a new process would compute other bits)
-    key = machine_key("linear", torch.get_num_threads(), sorted(set(shapes)))
-    return remembered(cache_root() / "linear_kernel.json", key, lambda: choose_kernel(shapes)) == "onednn"
+    # NOTE: fp32's key leaves the dtype out, so choices remembered before bf16 was packable still count
+    parts = ("linear", torch.get_num_threads(), sorted(set(shapes))) + (() if dtype == torch.float32 else (str(dtype),))
+    key = machine_key(*parts)
+    return remembered(cache_root() / "linear_kernel.json", key,
+                      lambda: choose_kernel(shapes, dtype=dtype)) == "onednn"

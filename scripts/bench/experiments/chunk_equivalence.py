@@ -35,7 +35,9 @@ def main(cfg: DictConfig, out: Path) -> None:
 
     x = cfg.experiment
     torch.set_num_threads(cfg.threads.inproc)
-    engine = Engine.from_pretrained(cfg.model, num_blocks=cfg.engine.num_blocks,
+    # NOTE: an exactness check of chunked pooling against transformers' fp32: fp32 on both sides, whatever "auto"
+    # would pick on this CPU (bf16 rounding would hide what chunking does)
+    engine = Engine.from_pretrained(cfg.model, num_blocks=cfg.engine.num_blocks, dtype="float32",
                                     max_num_batched_tokens=max(x.chunk_sizes), max_chunk_tokens=max(x.chunk_sizes))
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(cfg.model)), dtype=torch.float32).eval()
     tok = engine.tokenizer

@@ -1,0 +1,111 @@
+"""bf16 on the CPU (issue 19): "auto" picks it where the CPU has bf16 dot products; the decode kernel and the
+packed linears take it; generations equal transformers' in bf16 under the near-tie rule and embeddings stay
+within cosine 0.999 of fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orthrus_rag import machine
+from orthrus_rag.config import ModelConfig
+from orthrus_rag.layers.attention import cpu_kernels
+from orthrus_rag.layers.linear import choose_kernel, linear, pack_module
+from orthrus_rag.params import PoolingParams, SamplingParams
+from tests.conftest import MINILM, SMOL, engine_overrides
+from tests.parity import check_greedy_close, hf_greedy
+
+BF16_TIE_STD = 0.1  # a near-tie in bf16: a gap under this fraction of the logits' std (as the GPU set)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("flags,device,want", [
+    ({"avx512_bf16", "avx512f"}, "cpu", torch.bfloat16),
+    ({"amx_bf16", "amx_tile"}, "cpu", torch.bfloat16),
+    ({"avx512f", "avx2"}, "cpu", torch.float32),
+    (set(), "cpu", torch.float32),  # unreadable flags: the safe choice
+    (set(), "cuda", torch.bfloat16),
+])
+def test_auto_dtype_follows_the_hardware(monkeypatch, flags, device, want):
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    assert ModelConfig(device=device).torch_dtype is want
+    assert ModelConfig(device=device, dtype="float32").torch_dtype is torch.float32  # forced either way
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_packed_bf16_linear_equals_the_dense_one():
+    layer = nn.Linear(96, 200).to(torch.bfloat16)
+    x = torch.randn(7, 96).to(torch.bfloat16)
+    want = F.linear(x, layer.weight, layer.bias)
+    pack_module(layer)
+    got = linear(layer, x)
+    assert got.dtype is torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert choose_kernel([(96, 200)], rows=(1, 8), dtype=torch.bfloat16) in ("dense", "onednn")
+
+
+def test_the_decode_kernel_reads_a_bf16_cache_in_fp32_arithmetic():
+    if not cpu_kernels.decode_kernel_available():
+        pytest.skip("the C++ kernel cannot be built here (the grouped backend's SDPA path is tested instead)")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 6, 32), torch.randn(80, 2, 32), torch.randn(80, 2, 32)
+    slots = torch.stack([torch.randperm(80)[:40] for _ in range(3)]).contiguous()
+    lens = torch.tensor([40, 9, 25])
+    want = cpu_kernels.decode_attention(q, k, v, slots, lens, 0.2, None)
+    got = cpu_kernels.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), slots, lens, 0.2, None)
+    assert got.dtype is torch.bfloat16
+    # NOTE: the inputs' bf16 rounding (2^-8 relative) is the whole error: the arithmetic is fp32
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_kernels.decode_attention(q.half(), k.half(), v.half(), slots, lens, 0.2, None)
+
+
+# ---- the model, in bf16, against references --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_engine():
+    from orthrus_rag import Engine
+
+    # NOTE: a budget below the prompts' length, so prefills are chunked and share steps with decodes
+    return Engine.from_pretrained(SMOL, embedding_model=MINILM, **engine_overrides(dtype="bfloat16"))
+
+
+def test_bf16_engine_runs_bf16_with_the_decode_kernel(bf16_engine):
+    assert bf16_engine.runner.kv_caches[0][0].dtype is torch.bfloat16
+    assert bf16_engine.runner.decode_kernel == cpu_kernels.decode_kernel_available()
+
+
+def test_bf16_greedy_equals_transformers_bf16_up_to_a_near_tie(bf16_engine, smol_path, smol_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smol_path), dtype=torch.bfloat16).eval()
+    prompts = ["The capital of France is", "One, two, three, four,",
+               "Write a sentence about rivers and the mountains they come from, in the style of a textbook:"]
+    ids = [smol_tokenizer(p)["input_ids"] for p in prompts]
+    outs = bf16_engine.generate(ids, GREEDY)  # together: decodes of some beside prefill chunks of others
+    for prompt, out in zip(ids, outs):
+        check_greedy_close(hf, prompt, list(out.token_ids), hf_greedy(hf, prompt, GREEDY.max_tokens),
+                           tol=1e-3, tol_std=BF16_TIE_STD)
+
+
+def _cosines(want, got) -> list[float]:
+    return [float(F.cosine_similarity(w.float(), g.float(), dim=0)) for w, g in zip(want, got)]
+
+
+def test_bf16_backbone_embeddings_stay_within_cosine_0999_of_fp32(bf16_engine, smol_engine):
+    texts = ["Jane Austen wrote Pride and Prejudice.", "The Nile flows north into the Mediterranean Sea. " * 6,
+             "a", "Mount Everest is the highest mountain above sea level, on the border of Nepal and China."]
+    params = PoolingParams(pooling="mean", adapter="")  # the bare backbone, past the bf16 engine's encoder
+    assert smol_engine.runner.kv_caches[0][0].dtype is torch.float32
+    cosines = _cosines([o.embedding for o in smol_engine.embed(texts, params)],
+                       [o.embedding for o in bf16_engine.embed(texts, params)])
+    assert min(cosines) >= 0.999, cosines
+
+
+def test_bf16_encoder_embeddings_stay_within_cosine_0999_of_fp32(bf16_engine, served):
+    from tests.conftest import SERVED_REFERENCE_TEXTS
+
+    got = [o.embedding for o in bf16_engine.embed(SERVED_REFERENCE_TEXTS)]  # the encoder's own pooling
+    cosines = _cosines(served.reference, got)  # the served engine's fp32 MiniLM
+    assert min(cosines) >= 0.999, cosines
