@@ -5,7 +5,17 @@ pooling) for orthrus_rag's engine and for transformers (static-batch `generate`,
 Decode rate = B * (T_long - T_short) generated tokens over the time difference of a long and a 1-token
 generation, for both systems, so that prefill cost cancels out.
 
+`--peers vllm` adds vLLM-CPU in the same run, after the engine: scripts/peers/vllm_core_bench.py under the peers
+venv's interpreter (`--peers-python`, default .venv-peers/bin/python), given the very token ids the engine was
+given, pinned to the same cores (`--cpus`, default the first --threads cores; the engine's process is pinned to
+them too). vLLM runs at its defaults (dtype "auto", torch.compile on; prefix caching off, as here) in the headline
+column; `--peer-variants default,eager,fp32` adds columns (tokens joined by "+" combine: fp32+eager), and
+`orthrus / vllm <first variant>` is the ratio. Each variant is its own child process; load, compile and warm-up are
+not timed.
+
     python scripts/bench_engine.py --out runs/bench_engine
+    python scripts/bench_engine.py --threads 1 --skip-transformers --option dtype=auto --batches 1 32 \
+        --peers vllm --peer-variants default,eager,fp32
 """
 
 from __future__ import annotations
@@ -13,13 +23,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from vllm_core_bench import (  # noqa: E402 (scripts/peers/: stdlib only on this side)
+    decode_rate,
+    default_cpus,
+    format_table,
+    parse_cpus,
+    parse_variants,
+    peer_python_problem,
+    run_variant,
+)
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams  # noqa: E402
 from orthrus_rag.engine.options import parse_option  # noqa: E402
@@ -46,6 +68,9 @@ def bench_ours(engine: Engine, tokenizer, args: argparse.Namespace) -> dict:
     prompts = _prompt_ids(tokenizer, args.prefill_len, args.prefill_count)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], one)  # warm-up
+    for b in args.batches if "decode" in args.sections and args.batch_warmup_tokens else ():
+        warm = SamplingParams(max_tokens=args.batch_warmup_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate(_prompt_ids(tokenizer, args.decode_prompt_len, b), warm)  # each batch's shapes once
     if "prefill" in args.sections:
         res["prefill_tok_s"] = args.prefill_len * args.prefill_count / _timed(lambda: engine.generate(prompts, one))
     for b in args.batches if "decode" in args.sections else ():
@@ -53,10 +78,11 @@ def bench_ours(engine: Engine, tokenizer, args: argparse.Namespace) -> dict:
         long = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
         t_long = _timed(lambda: engine.generate(ps, long))
         t_short = _timed(lambda: engine.generate(ps, one))
-        res[f"decode_tok_s_b{b}"] = b * (args.decode_tokens - 1) / max(t_long - t_short, 1e-9)
+        res[f"decode_tok_s_b{b}"] = decode_rate(b, args.decode_tokens, t_long, t_short)
     if "embed" in args.sections:
         texts = _prompt_ids(tokenizer, args.embed_len, args.embed_count)
         pp = PoolingParams(pooling="mean")
+        engine.embed(texts[:2], pp)  # warm-up
         res["embed_per_s"] = args.embed_count / _timed(lambda: engine.embed(texts, pp))
     return res
 
@@ -71,6 +97,8 @@ def bench_hf(model, tokenizer, args: argparse.Namespace) -> dict:
 
     prompts = _prompt_ids(tokenizer, args.prefill_len, args.prefill_count)
     model(torch.tensor(prompts[:2]))  # warm-up
+    for b in args.batches if "decode" in args.sections and args.batch_warmup_tokens else ():
+        gen(_prompt_ids(tokenizer, args.decode_prompt_len, b), args.batch_warmup_tokens)
     if "prefill" in args.sections:
         t = _timed(lambda: [model(torch.tensor(prompts[i:i + 8])) for i in range(0, len(prompts), 8)])
         res["prefill_tok_s"] = args.prefill_len * args.prefill_count / t
@@ -78,7 +106,7 @@ def bench_hf(model, tokenizer, args: argparse.Namespace) -> dict:
         ps = _prompt_ids(tokenizer, args.decode_prompt_len, b)
         t_long = _timed(lambda: gen(ps, args.decode_tokens))
         t_short = _timed(lambda: gen(ps, 1))
-        res[f"decode_tok_s_b{b}"] = b * (args.decode_tokens - 1) / max(t_long - t_short, 1e-9)
+        res[f"decode_tok_s_b{b}"] = decode_rate(b, args.decode_tokens, t_long, t_short)
     if "embed" in args.sections:
         texts = _prompt_ids(tokenizer, args.embed_len, args.embed_count)
 
@@ -91,7 +119,14 @@ def bench_hf(model, tokenizer, args: argparse.Namespace) -> dict:
     return res
 
 
-def main() -> None:
+def _variants_arg(spec: str) -> list[str]:
+    try:
+        return parse_variants(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=2)
@@ -100,6 +135,8 @@ def main() -> None:
     ap.add_argument("--decode-prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--batch-warmup-tokens", type=int, default=4,
+                    help="before timing, one generation of this many tokens at each batch size (every system); 0: none")
     ap.add_argument("--embed-len", type=int, default=128)
     ap.add_argument("--embed-count", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -108,8 +145,56 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", choices=("prefill", "decode", "embed"), default=["prefill", "decode",
                                                                                             "embed"])
     ap.add_argument("--skip-transformers", action="store_true", help="measure the engine only")
+    ap.add_argument("--transformers-dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--peers", nargs="*", choices=("vllm",), default=[],
+                    help="also measure these peers, after the engine, in subprocesses (vllm: vLLM-CPU's LLM class)")
+    ap.add_argument("--peer-variants", type=_variants_arg, default=["default"], metavar="V1,V2,...",
+                    help="vLLM columns: default (its own: dtype auto, torch.compile), eager, fp32, bf16, or tokens "
+                         "joined by '+' (fp32+eager); the first is the headline of the ratio column")
+    ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"),
+                    help="the interpreter with vllm installed (`make peers`)")
+    ap.add_argument("--cpus", default=None, metavar="0|0,1|0-3",
+                    help="cores for the engine's process and the peer (default: the first --threads cores)")
+    ap.add_argument("--no-pin", action="store_true", help="leave this process unpinned (the peer is pinned anyway)")
+    ap.add_argument("--peer-kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--peer-timeout-s", type=float, default=3600.0, help="per vLLM variant (load + compile + runs)")
+    ap.add_argument("--peer-verbose", action="store_true", help="vLLM's INFO log and the child's output")
     ap.add_argument("--out", default="runs/bench_engine")
+    return ap
+
+
+def resolve_cpus(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """The cores of this run: --cpus, or the first --threads this process may use; as many as --threads."""
+    try:
+        cpus = parse_cpus(args.cpus) if args.cpus else default_cpus(args.threads)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if len(cpus) != args.threads:
+        ap.error(f"--cpus {args.cpus} names {len(cpus)} cores but --threads is {args.threads}")
+    return cpus
+
+
+def peer_workload(tokenizer, args: argparse.Namespace, model_path: str) -> dict:
+    """What the peer child measures: the very token ids bench_ours uses, and the same counts."""
+    return {"model": model_path, "sections": list(args.sections), "batches": list(args.batches),
+            "decode_tokens": args.decode_tokens, "batch_warmup_tokens": args.batch_warmup_tokens,
+            "prefill": _prompt_ids(tokenizer, args.prefill_len, args.prefill_count),
+            "decode": {str(b): _prompt_ids(tokenizer, args.decode_prompt_len, b) for b in args.batches},
+            "embed": _prompt_ids(tokenizer, args.embed_len, args.embed_count)}
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
+    if "decode" in args.sections and args.decode_tokens < 2:
+        ap.error("--decode-tokens must be at least 2 (the rate subtracts a 1-token generation)")
+    cpus = resolve_cpus(ap, args)
+    if args.peers:  # before the engine's minutes, not after
+        problem = peer_python_problem(args.peers_python)
+        if problem:
+            raise SystemExit(f"error: --peers vllm: {problem}")
+    if not args.no_pin:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -122,15 +207,22 @@ def main() -> None:
     ours = bench_ours(engine, tokenizer, args)
     del engine
     hf = {} if args.skip_transformers else bench_hf(
-        AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), tokenizer, args)
-    rows = ["| metric | orthrus_rag | transformers | ratio |", "|---|---:|---:|---:|"]
-    rows += [f"| {k} | {ours[k]:.1f} | {hf[k]:.1f} | {ours[k] / hf[k]:.2f}x |" if k in hf else
-             f"| {k} | {ours[k]:.1f} | – | – |" for k in ours]
-    table = "\n".join(rows)
+        AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.transformers_dtype)).eval(),
+        tokenizer, args)
+    peers: dict[str, dict] = {}
+    if "vllm" in args.peers:
+        workload = peer_workload(tokenizer, args, str(path))
+        for variant in args.peer_variants:
+            print(f"[bench_engine] vLLM {variant} on cores {cpus} ...", file=sys.stderr, flush=True)
+            peers[variant] = run_variant(args.peers_python, workload, variant, cpus, args.peer_kv_cache_gib,
+                                         args.peer_timeout_s, args.peer_verbose)
+            if peers[variant].get("error"):
+                print(f"[bench_engine] vLLM {variant} failed: {peers[variant]['error']}", file=sys.stderr)
+    table = format_table(ours, hf, peers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "orthrus_rag": ours, "transformers": hf},
-                                                 indent=2))
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "cpus": cpus, "orthrus_rag": ours,
+                                                  "transformers": hf, "vllm": peers}, indent=2))
     (out / "table.md").write_text(table + "\n")
     print(table)
 

@@ -1,8 +1,10 @@
 """vLLM "dedicated" peer: the two-engine setup a vLLM user would deploy on this CPU.
 
 One vLLM engine cannot serve both embedding and generation, so there are two engines in two spawned processes,
-one core each (VLLM_CPU_OMP_THREADS_BIND=0 / =1), `enforce_eager=True`, each with private VLLM_RPC_BASE_PATH /
-VLLM_CACHE_ROOT folders, and tcmalloc + the venv's libiomp5 preloaded (LD_PRELOAD at spawn, as vLLM's CPU docs
+one core each (VLLM_CPU_OMP_THREADS_BIND=0 / =1), at vLLM's own defaults (dtype "auto": bf16 for generation on
+a CPU with bf16, fp16 for the pooling engine, since vLLM prefers fp16 for pooling models; torch.compile on, which
+compiles at start-up, a minute or two per engine on one core), each with private VLLM_RPC_BASE_PATH /
+VLLM_CACHE_ROOT folders (no compile cache reused across runs), and tcmalloc + the venv's libiomp5 preloaded (LD_PRELOAD at spawn, as vLLM's CPU docs
 advise):
 
 - generation engine: SmolLM2-135M-Instruct converted to safetensors (orthrus_rag's cached folder);
@@ -19,6 +21,10 @@ Each front end drives its engine through `LLMEngine.add_request` / `step`, so a 
 runs joins it at the next step (vLLM's continuous batching), not after the batch. The parent talks to both
 through multiprocessing queues; a receiver thread stamps each completion on arrival (caller-side timing,
 `time.perf_counter`, which is CLOCK_MONOTONIC and so comparable across processes on Linux).
+
+`dtype="float32"` / `enforce_eager=True` are the former settings (`peer_options.vllm.dtype=float32`,
+`peer_options.vllm.enforce_eager=true` in scripts/bench/conf/bench.yaml); `embed_dtype` overrides the pooling
+engine's alone (e.g. bfloat16: vLLM's fp16 default has no native fp16 dot products on most x86 CPUs).
 
 Needs the peers venv (`make peers`): run the driver with `.venv-peers/bin/python`, under
 `if __name__ == "__main__":` (spawn re-imports the main module).
@@ -93,7 +99,7 @@ def _engine_main(role: str, model: str, llm_kwargs: dict, env: dict, pin_cpus: l
         if isinstance(llm_kwargs.get("pooler_config"), dict):  # built here so the parent need not import vllm
             llm_kwargs = {**llm_kwargs, "pooler_config": PoolerConfig(**llm_kwargs["pooler_config"])}
         t0 = time.perf_counter()
-        llm = LLM(model=model, enforce_eager=True, **llm_kwargs)
+        llm = LLM(model=model, **llm_kwargs)
         engine = llm.llm_engine
         out_q.put({"event": "ready", "role": role, "pid": os.getpid(), "load_s": time.perf_counter() - t0})
 
@@ -181,15 +187,18 @@ class VllmDedicatedPeer(PollMixin):
     """Two vLLM engines (generation, pooling), one core each, behind submit / poll / shutdown."""
 
     def __init__(self, gen_model: str = "smollm2-135m-instruct", embed_model: str = "smollm2-135m-instruct", *,
-                 gen_cpus: str = "0", embed_cpus: str = "1", dtype: str = "float32", max_model_len: int = 2048,
-                 kv_cache_gib: int = 1, gen_kwargs: dict | None = None, embed_kwargs: dict | None = None,
+                 gen_cpus: str = "0", embed_cpus: str = "1", dtype: str = "auto", embed_dtype: str | None = None,
+                 enforce_eager: bool = False, max_model_len: int = 2048, kv_cache_gib: int = 1,
+                 gen_kwargs: dict | None = None, embed_kwargs: dict | None = None,
                  engine_core: str = "mp", pin: str = "all", start_timeout_s: float = 600.0,
                  workdir: str | None = None, quiet: bool = True) -> None:
         """engine_core="mp" (vLLM's default: engine core and worker in processes of their own; the worker's OpenMP
         threads are bound by VLLM_CPU_OMP_THREADS_BIND) or "inproc" (VLLM_ENABLE_V1_MULTIPROCESSING=0: one process
         per engine; vLLM's uniproc executor applies no binding, so OMP_NUM_THREADS / KMP_AFFINITY are set here).
         pin="all" also confines each engine's whole process tree (front end, engine core, worker) to its cores, so
-        the split is a strict 1 + 1; pin="worker" leaves the front ends and engine cores free to float."""
+        the split is a strict 1 + 1; pin="worker" leaves the front ends and engine cores free to float.
+        dtype / enforce_eager: vLLM's `LLM` arguments ("auto" and False are vLLM's defaults; "float32" and True
+        the eager fp32 peer of earlier runs); embed_dtype: the pooling engine's dtype when it should differ."""
         if engine_core not in ("mp", "inproc") or pin not in ("all", "worker"):
             raise ValueError("engine_core must be 'mp' or 'inproc' and pin 'all' or 'worker'")
         self._ctx = mp.get_context("spawn")
@@ -207,8 +216,9 @@ class VllmDedicatedPeer(PollMixin):
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError(f"vllm is not installed in {sys.prefix}: `make peers`, then use .venv-peers/bin/python")
         gen_path, embed_path = resolve(gen_model), resolve(embed_model)
-        gen_llm = {"dtype": dtype, "max_model_len": max_model_len, **(gen_kwargs or {})}
-        embed_llm = {"dtype": dtype, "runner": "pooling", **(embed_kwargs or {})}
+        common = {"enforce_eager": True} if enforce_eager else {}  # False: vLLM's default (compiled)
+        gen_llm = {"dtype": dtype, "max_model_len": max_model_len, **common, **(gen_kwargs or {})}
+        embed_llm = {"dtype": embed_dtype or dtype, "runner": "pooling", **common, **(embed_kwargs or {})}
         embed_is_decoder = _is_decoder(embed_path)
         if embed_is_decoder:  # an encoder (MiniLM: 256) keeps the length its config derives
             embed_llm.setdefault("max_model_len", max_model_len)

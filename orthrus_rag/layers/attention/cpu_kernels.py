@@ -8,8 +8,11 @@ with SmolLM2 on 2 Xeon cores, 40 sequences of ~1,000 tokens: a decode step took 
 kernel; so does this one.
 
 The kernel takes the step's key slots per sequence (planned once per step, shared by every layer) and, per
-(sequence, KV head) in parallel, scores the query heads of that KV head against each key, applies a softmax and
-sums the values: fp32 arithmetic over an fp32 or bf16 cache, one pass over K, one over V. It is compiled on first use with torch's C++ extension
+sequence in parallel, scores every query head against each key row (all KV heads of a slot are one contiguous
+read, the rows ahead prefetched), applies a softmax and sums the values: fp32 arithmetic over an fp32 or bf16
+cache, one pass over K, one over V. Reading rows whole and prefetched cut a decode step's attention from 14.2 to
+4.4 ms (32 sequences, 30 layers, one EPYC core, bf16): the cache is cold at every layer, and a per-head loop was
+bound by the latency of its strided gathers. It is compiled on first use with torch's C++ extension
 loader (needs a C++ compiler and ninja) into torch's extension cache, one build per CPU model; if that fails,
 the grouped backend keeps its SDPA path.
 """
@@ -39,13 +42,25 @@ _SOURCE = r"""
 static inline float as_float(float x) { return x; }
 static inline float as_float(at::BFloat16 x) { return static_cast<float>(x); }
 
+// The cache row of one slot is [KVH, D] contiguous; decodes read it cold (a whole model's weights stream through the
+// caches between two layers' reads), so the loop is per sequence over whole rows (one contiguous read for every
+// head) with the rows a few positions ahead prefetched: latency-bound gathers otherwise cost ~4x the compute.
+constexpr int64_t kAhead = 8;
+
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
 // q [B, H, D] fp32; caches [slots, KVH, D]; key_slots [B, W] (int64); seq_lens [B] (int64); out [B, H, D] fp32.
 template <typename T>
 static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& key_slots, const torch::Tensor& seq_lens, double scale, int64_t window,
                    torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), G = H / KVH, W = key_slots.size(1);
+  const int64_t KVH = k_cache.size(1), G = H / KVH, W = key_slots.size(1), R = KVH * D;
+  const int64_t row_bytes = R * static_cast<int64_t>(sizeof(T));
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -53,28 +68,32 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(H * D);
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t len = std::min<int64_t>(lens[b], W);
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      scores.assign(G * n, 0.f);
-      const float* qb = qp + (b * H + h * G) * D;
+      scores.assign(H * n, 0.f);
+      const float* qb = qp + b * H * D;
       const int64_t* sb = slots + b * W + first;
+      for (int64_t p = 0; p < std::min(n, kAhead); ++p) prefetch_row(kp + sb[p] * R, row_bytes);
       for (int64_t p = 0; p < n; ++p) {
-        const T* k = kp + (sb[p] * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qb + g * D;
-          float s = 0.f;
+        if (p + kAhead < n) prefetch_row(kp + sb[p + kAhead] * R, row_bytes);
+        const T* row = kp + sb[p] * R;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* k = row + h * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qb + (h * G + g) * D;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * as_float(k[d]);
-          scores[g * n + p] = s * sc;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * as_float(k[d]);
+            scores[(h * G + g) * n + p] = s * sc;
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
+      for (int64_t hg = 0; hg < H; ++hg) {
+        float* sg = scores.data() + hg * n;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < n; ++p) m = std::max(m, sg[p]);
         float total = 0.f;
@@ -84,17 +103,21 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         for (int64_t p = 0; p < n; ++p) sg[p] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < std::min(n, kAhead); ++p) prefetch_row(vp + sb[p] * R, row_bytes);
       for (int64_t p = 0; p < n; ++p) {
-        const T* v = vp + (sb[p] * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * n + p];
-          float* a = acc.data() + g * D;
+        if (p + kAhead < n) prefetch_row(vp + sb[p + kAhead] * R, row_bytes);
+        const T* row = vp + sb[p] * R;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* v = row + h * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = scores[(h * G + g) * n + p];
+            float* a = acc.data() + (h * G + g) * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * as_float(v[d]);
+            for (int64_t d = 0; d < D; ++d) a[d] += w * as_float(v[d]);
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, op + (b * H + h * G + g) * D);
+      std::copy(acc.begin(), acc.end(), op + b * H * D);
     }
   });
 }
