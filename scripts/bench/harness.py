@@ -8,7 +8,8 @@ A load experiment module (scripts/bench/experiments/) provides
 `scripts/benchmark.py` calls `run_experiment` and then `report`. Experiments that drive their own runs
 (iter_retgen, chunk_equivalence) provide `main(cfg, out)` instead.
 
-Systems of this project are built here (`make_client`); a peer (`vllm`, `hf`) runs the same `run_system` in a
+Systems of this project are built here (`make_client`; `remote:<base URL>` drives a running server through its
+`EngineClient`, `EngineClientDriver(RemoteClient(url))`); a peer (`vllm`, `hf`) runs the same `run_system` in a
 subprocess (`peer_main.py`) under `peers_python` (vLLM lives in its own venv, `make peers`) and hands back its
 results as JSON, so every system of one experiment is measured by the same driver code in the same command.
 """
@@ -29,7 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.engine.clients import SYSTEMS, ServingClient, make_client
+from orthrus_rag.engine.clients import SYSTEMS, EngineClientDriver, RemoteClient, ServingClient, make_client
 from orthrus_rag.engine.options import engine_config as make_engine_config
 
 from .driver import RunResult
@@ -60,14 +61,21 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     return make_engine_config(cfg.model, **OmegaConf.to_container(cfg.engine, resolve=True))
 
 
+REMOTE = "remote:"  # a system named remote:<base URL>: a running `orthrus-rag serve`, through its EngineClient
+
+
 def system_factory(system: str, cfg: DictConfig) -> Callable[[], ServingClient]:
+    if system.startswith(REMOTE):
+        url = system.removeprefix(REMOTE)
+        return lambda: EngineClientDriver(RemoteClient(url, max_in_flight=cfg.experiment.get("clients", 64)))
     if system in PEERS:
         opts = cfg.peer_options.get(system)
         kwargs = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
         return lambda: make_peer(system, embed_model=cfg.model, temperature=cfg.workload.temperature,
                                  **kwargs)  # type: ignore[arg-type]
     if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))}")
+        raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))} or "
+                         f"{REMOTE}<base URL>")
     threads = tuple(cfg.threads.split) if system in ("dedicated", "disagg-pd") else cfg.threads.inproc
     config = engine_config(cfg)
     return lambda: make_client(system, config, threads)
