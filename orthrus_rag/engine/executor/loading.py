@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears
+from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
 from orthrus_rag.machine import machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
@@ -77,8 +77,8 @@ def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device:
                    if isinstance(m, torch.nn.Linear) and not getattr(m, "_fused", False)]
     # NOTE: measured once per machine and remembered: a timing near the threshold must not flip between runs
     # (a run resumed in a new process would compute other bits)
-    # NOTE: fp32's key leaves the dtype out, so choices remembered before bf16 was packable still count
-    parts = ("linear", torch.get_num_threads(), sorted(set(shapes))) + (() if dtype == torch.float32 else (str(dtype),))
+    # NOTE: the packed layout and the dtype are part of the key: a choice timed against another packing is stale
+    parts = ("linear", torch.get_num_threads(), sorted(set(shapes)), str(dtype), packed_layout())
     key = machine_key(*parts)
     return remembered(cache_root() / "linear_kernel.json", key,
                       lambda: choose_kernel(shapes, dtype=dtype)) == "onednn"
