@@ -1,0 +1,77 @@
+"""Where a decode step's time goes, by the runner's parts: wall time of each, per step.
+
+    python scripts/step_phases.py --threads 1 --batch 32 --dtype auto [--option linear_kernel=onednn]
+
+Wraps the engine's step, the runner's execute / prepare / forward, the attention backend's plan and forward,
+the C++ decode kernel, the logits and the sampler with timers (the torch profiler does not see the C++ kernel or
+Python between ops), runs `--batch` prompts of 33 tokens to `--tokens` new tokens and prints ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from orthrus_rag import Engine, SamplingParams
+from orthrus_rag.engine.core import scheduler as scheduler_module
+from orthrus_rag.engine.engine import Engine as EngineClass
+from orthrus_rag.engine.executor import runner as runner_module
+from orthrus_rag.engine.options import parse_option
+from orthrus_rag.layers.attention import grouped
+
+TOTALS: collections.Counter = collections.Counter()
+
+
+def timed(owner: object, name: str, label: str) -> None:
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[label] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=33)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--option", action="append", default=[], help="an engine option NAME=VALUE; repeatable")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    options = dict(parse_option(o) for o in args.option)
+    engine = Engine.from_pretrained(args.model, max_num_batched_tokens=256, num_blocks=2048, dtype=args.dtype,
+                                    **options)
+    for owner, name, label in [(EngineClass, "step", "engine.step"), (runner_module.ModelRunner, "execute", "execute"),
+                               (runner_module.ModelRunner, "_prepare", "prepare inputs"),
+                               (runner_module.ModelRunner, "_forward", "model forward"),
+                               (grouped, "plan", "attention plan"), (grouped, "forward", "attention (all layers)"),
+                               (grouped, "decode_attention", "decode kernel (all layers)"),
+                               (scheduler_module.Scheduler, "schedule", "schedule"),
+                               (scheduler_module.Scheduler, "update_from_output", "scheduler update"),
+                               (engine.runner.model, "compute_logits", "logits"),
+                               (engine.runner, "sampler", "sampler")]:
+        timed(owner, name, label)
+    prompts = [[1] + list(range(100 + i, 132 + i)) for i in range(args.batch)]
+    engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    TOTALS.clear()
+    steps = engine.num_steps
+    engine.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
+    steps = engine.num_steps - steps
+    dtype = engine.runner.kv_caches[0][0].dtype
+    print(f"{args.model}, {dtype}, batch {args.batch}, {args.threads} thread(s), {steps} steps")
+    for label, seconds in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:28s} {seconds / steps * 1e3:8.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
