@@ -40,6 +40,11 @@ def test_bad_values_fail_before_any_model_loads_and_leave_no_folder(override, na
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
     assert not run_dir.exists()  # not even Hydra's .hydra/: the same run_dir works once the value is fixed
+    # and no log handler is left on the removed folder: the next record logged in this process would raise
+    import logging
+
+    logging.getLogger("orthrus_rag").error("a record after the failed run")
+    assert not [h for h in logging.getLogger().handlers if str(run_dir) in str(getattr(h, "baseFilename", ""))]
 
 
 def test_a_started_folder_is_kept_on_a_config_error(tmp_path, no_models):

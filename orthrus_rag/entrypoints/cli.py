@@ -162,7 +162,21 @@ def _remove_unstarted(folder: Path) -> None:
         return
     entries = list(folder.iterdir())
     if all(e.name == ".hydra" or (e.suffix == ".log" and e.is_file()) for e in entries):
+        _detach_file_logs(folder)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _detach_file_logs(folder: Path) -> None:
+    """Close the log handlers Hydra opened into `folder`: a handler left on a removed file raises
+    FileNotFoundError at the next record it reopens for (in this process: a test, a notebook, a second command)."""
+    root = folder.resolve()
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    for log in loggers:
+        for handler in list(getattr(log, "handlers", [])):
+            path = getattr(handler, "baseFilename", None)
+            if path is not None and Path(path).resolve().is_relative_to(root):
+                log.removeHandler(handler)
+                handler.close()
 
 
 def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)

@@ -165,10 +165,10 @@ class DeploymentClient:
                     raise TimeoutError(f"no output for {self.stall_timeout_s:g} s with "
                                        f"{len(self._in_flight)} requests in flight")
         except BaseException as exc:  # noqa: BLE001 (reported to every waiting caller)
-            logger.error("serving client failed: %s", exc)
             failure = ClientFailed(f"the serving client failed: {type(exc).__name__}: {exc}")
             failure.__cause__ = exc
-            self._error = failure
+            self._error = failure  # NOTE: first: nothing below (a broken log handler, say) may lose the cause
+            logger.error("serving client failed: %s", exc)
         finally:
             reason = self._error or RuntimeError("the DeploymentClient was shut down")
             with self._lock:  # no submit can queue behind this drain
