@@ -64,7 +64,7 @@ def test_the_decode_kernel_reads_a_bf16_cache_in_fp32_arithmetic():
 
 # ---- the model, in bf16, against references --------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def bf16_engine():
+def bf16_engine(smol_path):  # NOTE: smol_path marks every test that uses it slow (conftest.MODEL_FIXTURES)
     from orthrus_rag import Engine
 
     # NOTE: a budget below the prompts' length, so prefills are chunked and share steps with decodes
