@@ -25,8 +25,18 @@ async def wait_for(cond, timeout: float = 30.0) -> None:
     await asyncio.wait_for(poll(), timeout)
 
 
+_ELSEWHERE: set[threading.Thread] = set()  # engine threads a test did not start (the session's test server's)
+
+
+@pytest.fixture(autouse=True)
+def _threads_of_others():
+    _ELSEWHERE.clear()
+    _ELSEWHERE.update(t for t in threading.enumerate() if t.name == "orthrus-async-engine")
+
+
 def engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "orthrus-async-engine"]
+    """The AsyncEngine threads this test started and that still run."""
+    return [t for t in threading.enumerate() if t.name == "orthrus-async-engine" and t not in _ELSEWHERE]
 
 
 def test_many_concurrent_callers_match_sync(engine):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from orthrus_rag.engine.engine import Engine
+from orthrus_rag.engine.clients.protocol import refuse_inside_event_loop
 from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.engine.stats import StepStats
@@ -348,12 +349,3 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed under us: nobody to tell
             self._flush()
 
-
-def refuse_inside_event_loop() -> None:
-    """A blocking call from inside a running event loop would stall the loop it waits on."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    raise RuntimeError("a blocking embedding call inside a running event loop would block it; "
-                       "await the async API (aembed_documents / aembed_query / embed_many) instead")

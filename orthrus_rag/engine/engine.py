@@ -45,6 +45,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.adapter_slots = dict(adapter_slots or {})
+        self._space: EmbeddingSpace | None = None  # what `embedding_space` reports, made on first use
         self.encoder_pooling = encoder_pooling or {}
         device = torch.device(config.model.device)
         hf = model.config
@@ -163,6 +164,12 @@ class Engine:
     def embedding_space(self) -> EmbeddingSpace:
         """What this engine's embeddings are (models, adapters, the encoder's pooling): the space its clients
         report and that owns the embedding route."""
+        space = self._space
+        if space is None or space.adapter_slots != self.adapter_slots:  # NOTE: built once; rebuilt if reassigned
+            space = self._space = self._make_space()
+        return space
+
+    def _make_space(self) -> EmbeddingSpace:
         mc = self.config.model
         encoder = self.runner.encoder
         return EmbeddingSpace(mc.name, mc.embedding_model if encoder is not None else None,

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from orthrus_rag.engine.async_engine import refuse_inside_event_loop
+from orthrus_rag.engine.clients.protocol import refuse_inside_event_loop
 from orthrus_rag.engine.deploy.spec import WorkerError
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput

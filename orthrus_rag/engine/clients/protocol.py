@@ -9,6 +9,7 @@ so an index built through one client is searched only through a client of the sa
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,3 +68,13 @@ class EngineClient(Protocol):
     async def aclose(self) -> None:
         """Release what the client owns (idempotent)."""
         ...
+
+
+def refuse_inside_event_loop() -> None:
+    """A blocking call from inside a running event loop would stall the loop it waits on."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError("a blocking embedding call inside a running event loop would block it; "
+                       "await the async API (aembed_documents / aembed_query / embed_many) instead")

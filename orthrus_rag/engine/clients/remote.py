@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -43,7 +44,7 @@ class RemoteClient:
         self._kwargs: dict[str, Any] = {"base_url": base_url, "api_key": api_key or "none", "max_retries": max_retries}
         if timeout is not None:
             self._kwargs["timeout"] = timeout
-        self._sync = openai.OpenAI(**self._kwargs)
+        self.sync_client = openai.OpenAI(**self._kwargs)  # the blocking calls (and LangChain's RemoteOrthrus)
         # NOTE: an async client's connections belong to one event loop; each loop gets its own
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
         self._space: EmbeddingSpace | None = None
@@ -55,7 +56,7 @@ class RemoteClient:
     def embedding_space(self) -> EmbeddingSpace:
         """From GET /v1/models: the generation model first, then the embedding models (an adapter by its name)."""
         if self._space is None:
-            ids = [m.id for m in self._sync.models.list()]
+            ids = [m.id for m in self.sync_client.models.list()]
             if not ids:
                 raise RuntimeError(f"{self.name} serves no model")
             generation, embedding = ids[0], ids[1:]
@@ -86,7 +87,7 @@ class RemoteClient:
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> GenerationOutput:
         with self._counted(1):
-            out = await self._aclient().completions.create(**self._completion_args(prompt, params))
+            out = await self.async_client().completions.create(**self._completion_args(prompt, params))
         choice = out.choices[0]
         return GenerationOutput(request_id or out.id, [], [], choice.text, choice.finish_reason)
 
@@ -95,7 +96,7 @@ class RemoteClient:
         """Cumulative snapshots from the server's stream; leaving early closes it (the server aborts)."""
         text, rid = "", request_id or f"remote-{next(self._ids)}"
         with self._counted(1):
-            stream = await self._aclient().completions.create(**self._completion_args(prompt, params), stream=True)
+            stream = await self.async_client().completions.create(**self._completion_args(prompt, params), stream=True)
             async with stream:
                 async for chunk in stream:
                     for choice in chunk.choices:
@@ -128,12 +129,12 @@ class RemoteClient:
                          params: PoolingParams | None = None) -> list[EmbeddingOutput]:
         args = self._embedding_args(texts, params)  # NOTE: one HTTP request: the server embeds them together
         with self._counted(len(texts)):
-            out = await self._aclient().embeddings.create(**args)
+            out = await self.async_client().embeddings.create(**args)
         return _embeddings(out)
 
     def embed_sync(self, texts: Sequence[str | Sequence[int]],
                    params: PoolingParams | None = None) -> list[EmbeddingOutput]:
-        return _embeddings(self._sync.embeddings.create(**self._embedding_args(texts, params)))
+        return _embeddings(self.sync_client.embeddings.create(**self._embedding_args(texts, params)))
 
     async def abort(self, request_id: str) -> bool:
         return False  # NOTE: over HTTP a request stops when its caller stops awaiting it (the server aborts it)
@@ -144,10 +145,11 @@ class RemoteClient:
             if loop is current:  # NOTE: another loop's connections cannot be closed from here (it may be gone)
                 await client.close()
         self._async.clear()
-        self._sync.close()
+        self.sync_client.close()
 
     # ---- helpers ------------------------------------------------------------------------------------------------
-    def _aclient(self) -> Any:
+    def async_client(self) -> Any:
+        """The async openai client of the running event loop."""
         import openai
 
         loop = asyncio.get_running_loop()
@@ -156,19 +158,13 @@ class RemoteClient:
             client = self._async[loop] = openai.AsyncOpenAI(**self._kwargs)
         return client
 
-    def _counted(self, n: int) -> "_InFlight":
-        return _InFlight(self, n)
-
-
-class _InFlight:
-    def __init__(self, client: RemoteClient, n: int) -> None:
-        self.client, self.n = client, n
-
-    def __enter__(self) -> None:
-        self.client._num_in_flight += self.n
-
-    def __exit__(self, *exc: object) -> None:
-        self.client._num_in_flight -= self.n
+    @contextlib.contextmanager
+    def _counted(self, n: int) -> Iterator[None]:
+        self._num_in_flight += n
+        try:
+            yield
+        finally:
+            self._num_in_flight -= n
 
 
 def _embeddings(out: Any) -> list[EmbeddingOutput]:

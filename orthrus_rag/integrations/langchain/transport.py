@@ -188,13 +188,13 @@ class RemoteOrthrus:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None,
                  max_retries: int = 2) -> None:
         self.remote = RemoteClient(base_url, api_key, timeout, max_retries)
-        self.client = self.remote._sync
+        self.client = self.remote.sync_client
         self._models: list[str] | None = None
 
     @property
     def aclient(self) -> Any:
         """The async openai client of the running event loop (connections belong to one loop)."""
-        return self.remote._aclient()
+        return self.remote.async_client()
 
     @property
     def generation_model(self) -> str:
