@@ -2,14 +2,74 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 POOLING_TYPES = ("mean", "weighted_mean", "cls", "first", "last", "all")
 MAX_LOGPROBS = 20  # top tokens per position (OpenAI's chat limit)
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a generation may say, enforced token by token in the sampler (vLLM's
+    `StructuredOutputsParams`). Exactly one of:
+
+    `json`: a JSON schema (dict, or its JSON text) the output must validate against;
+    `json_object`: any JSON object;
+    `regex`: a regular expression the whole output must match (Rust `regex` syntax, as llguidance reads it);
+    `choice`: one of these strings, exactly;
+    `grammar`: a Lark grammar (llguidance's dialect).
+
+    `whitespace_flexible`: JSON may put any whitespace between tokens; off (the default) it is written compactly
+    (`{"a": 1, "b": [2, 3]}`): a small model given free whitespace can fill its whole budget with it.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                             f"{', '.join(given) if given else 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"a JSON schema must be an object, got {type(self.json).__name__}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
+                    or not self.choice:
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """What identifies the compiled grammar (the compiler's cache key)."""
+        value: Any = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.whitespace_flexible], sort_keys=True)
 
 
 @dataclass
@@ -29,6 +89,8 @@ class SamplingParams:
     # None: no log-probabilities; k >= 0: each sampled token's log-probability and the k best at its position,
     # taken by the sampler in the step that samples the token
     logprobs: int | None = None
+    # a constraint on the output, applied as a token mask before sampling (orthrus_rag/structured/)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +115,13 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS} (top tokens per position), "
                              f"got {self.logprobs}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                # NOTE: the grammar ends an output by allowing only EOS; ignoring it would run past the grammar
+                raise ValueError("ignore_eos cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:

@@ -194,6 +194,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> GenerationOutput:
+        await self._prepare(params)
         sink = self._submit(RequestKind.GENERATE, request_id, prompt, params, stream=False)
         return await self._await(sink)
 
@@ -201,6 +202,7 @@ class AsyncEngine:
                               request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
         """Yield growing snapshots; the last has `finished=True` (finish_reason "abort" if aborted). Leaving
         the loop early (break, cancellation) aborts the request."""
+        await self._prepare(params)
         sink = self._submit(RequestKind.GENERATE, request_id, prompt, params, stream=True)
         done = False
         try:
@@ -248,6 +250,12 @@ class AsyncEngine:
         await self.shutdown()
 
     # ---- event-loop helpers -----------------------------------------------------------------------------
+    async def _prepare(self, params: SamplingParams | None) -> None:
+        """Compile a request's constraint in a worker thread (a ValueError names what is wrong), so the engine
+        thread only copies the cached matcher and no step waits on a compile."""
+        if params is not None and params.structured_outputs is not None:
+            await asyncio.to_thread(self._engine.grammars.prepare, params.structured_outputs)
+
     def _bind(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is None:

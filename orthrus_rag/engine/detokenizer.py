@@ -23,7 +23,9 @@ def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int], max_seq
         req.output_text = tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=True)
         return "stop"
     reason = None
-    if len(req.output_token_ids) >= params.max_tokens or (max_seq_len is not None and req.num_tokens >= max_seq_len):
+    if req.grammar is not None and req.grammar.is_stopped:
+        reason = "stop"  # the grammar is complete and allows no further token (a choice, a closed regex)
+    elif len(req.output_token_ids) >= params.max_tokens or (max_seq_len is not None and req.num_tokens >= max_seq_len):
         reason = "length"
     if reason is None and not params.stop and not req.stream:
         return None  # NOTE: no text needed before the end: skip the per-step decode

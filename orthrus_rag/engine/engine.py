@@ -32,6 +32,7 @@ from orthrus_rag.engine.core.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.stats import StepStats
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.layers.sampler import make_generator
+from orthrus_rag.structured.compiler import GrammarCompiler, compiler_for
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput, HandoffOutput, RequestMetrics
 from orthrus_rag.params import PoolingParams, SamplingParams
 
@@ -66,7 +67,9 @@ class Engine:
             StepCostModel() if _sizes_steps_by_cost(config) else None)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, device, dtype, encoder,
                                   config.scheduler.max_num_batched_tokens, config.model.attention_backend,
-                                  config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel)
+                                  config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel,
+                                  min(self.eos_token_ids) if self.eos_token_ids else None)
+        self._grammars: GrammarCompiler | None = None  # made on the first constrained request
         if self.scheduler.cost_model is not None:
             calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)
         self.inputs = InputProcessor(
@@ -111,10 +114,29 @@ class Engine:
         `HandoffOutput` (KV included, blocks freed) instead of continuing it, unless that token finished it."""
         params = params or SamplingParams()
         ids = self.inputs.prompt(prompt)
+        grammar = self._matcher(params)
         req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
                       rng=make_generator(params.seed, self.config.model.device), stream=stream,
-                      handoff=handoff)
+                      handoff=handoff, grammar=grammar)
         return self._add(req)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of this model's constrained requests; `prepare(spec)` from a worker thread compiles a
+        constraint before its request is submitted, so `add_generate` only copies a cached matcher."""
+        if self._grammars is None:
+            self._grammars = compiler_for(self.tokenizer, self.runner.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _matcher(self, params: SamplingParams, tokens: Sequence[int] = ()) -> Any:
+        """A constrained request's matcher, advanced past `tokens` (a handed-off request's output so far)."""
+        if params.structured_outputs is None:
+            return None
+        matcher = self.grammars.matcher(params.structured_outputs)
+        for tok in tokens:
+            if not matcher.consume(tok):
+                raise ValueError(f"the handed-off output does not follow its constraint at token {tok}")
+        return matcher
 
     def add_prefilled(self, handoff: HandoffOutput, request_id: str | None = None) -> str:
         """Continue a generation another engine on the same model prefilled: its KV goes into this engine's
@@ -126,7 +148,8 @@ class Engine:
         req = Request(request_id or handoff.request_id, RequestKind.GENERATE, prompt,
                       sampling_params=handoff.sampling_params, output_token_ids=list(handoff.output_token_ids),
                       output_text=handoff.output_text, output_logprobs=list(handoff.output_logprobs),
-                      rng=restore_generator(handoff.generator_state, self.config.model.device))
+                      rng=restore_generator(handoff.generator_state, self.config.model.device),
+                      grammar=self._matcher(handoff.sampling_params, handoff.output_token_ids))
         if handoff.metrics is not None:
             req.arrival_time = handoff.metrics.arrival_time
             req.first_scheduled_time = handoff.metrics.first_scheduled_time
@@ -283,7 +306,7 @@ class Engine:
 
     # ---- convenience APIs -------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str | Sequence[int]],
-                 params: SamplingParams | None = None) -> list[GenerationOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
         outs, _ = self.run(prompts=prompts, sampling_params=params)
         return outs
 
@@ -292,17 +315,26 @@ class Engine:
         _, outs = self.run(texts=texts, pooling_params=params)
         return outs
 
-    def run(self, prompts: str | Sequence[str | Sequence[int]] = (), sampling_params: SamplingParams | None = None,
+    def run(self, prompts: str | Sequence[str | Sequence[int]] = (),
+            sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
             texts: str | Sequence[str | Sequence[int]] = (), pooling_params: PoolingParams | None = None,
             ) -> tuple[list[GenerationOutput], list[EmbeddingOutput]]:
         """Submit generations and embeddings together so they share engine steps; outputs in input order.
+        `sampling_params`: one for every prompt, or a list with one per prompt (as vLLM's `generate`).
         Every input is validated before any is submitted."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         texts = [texts] if isinstance(texts, str) else list(texts)
+        if isinstance(sampling_params, Sequence):
+            per_prompt = list(sampling_params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts; give one, or one "
+                                 "per prompt")
+        else:
+            per_prompt = [sampling_params] * len(prompts)
         gen_ids, emb_ids = [], []
         try:
-            for p in prompts:
-                gen_ids.append(self.add_generate(p, sampling_params))
+            for p, params in zip(prompts, per_prompt):
+                gen_ids.append(self.add_generate(p, params))
             for t in texts:
                 emb_ids.append(self.add_embed(t, pooling_params))
         except (ValueError, TypeError):

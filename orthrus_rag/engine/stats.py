@@ -32,6 +32,8 @@ class StepStats:
     num_forward_embed_rows: int = 0
     num_forward_generate_rows: int = 0
     num_forward_encoder_rows: int = 0
+    num_sampled_rows: int = 0  # generation rows the sampler drew a token for
+    num_constrained_rows: int = 0  # of those, rows masked by a structured-output grammar first
     # prompt tokens this step's admissions found in the prefix cache (net of preempted ones' returned hits)
     num_prefix_hit_tokens: int = 0
 
@@ -58,6 +60,8 @@ class StepStats:
         self.num_forward_embed_rows = executed.num_embed_rows
         self.num_forward_generate_rows = executed.num_generate_rows
         self.num_forward_encoder_rows = executed.num_encoder_rows
+        self.num_sampled_rows = executed.num_sampled_rows
+        self.num_constrained_rows = executed.num_constrained_rows
 
     @classmethod
     def from_schedule(cls, step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,

@@ -54,6 +54,7 @@ class Request:
     # runtime state owned by the runner (pooler accumulators, RNG); opaque to the scheduler
     pooler_state: Any = None
     rng: Any = None  # a seeded request's torch.Generator (sampling); None: the global RNG
+    grammar: Any = None  # a constrained request's matcher (orthrus_rag/structured/); advanced by the runner
     output_text: str = ""
     # timing, filled by the engine
     first_scheduled_time: float | None = None

@@ -22,6 +22,7 @@ from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
 from orthrus_rag.layers.sampler import Sampler, token_logprobs
+from orthrus_rag.structured.bitmask import advance, constrain
 from orthrus_rag.outputs import TokenLogprob
 from orthrus_rag.models.llama import CausalLM
 
@@ -37,6 +38,8 @@ class RunnerOutput:
     num_embed_rows: int = 0
     num_generate_rows: int = 0
     num_encoder_rows: int = 0
+    num_sampled_rows: int = 0
+    num_constrained_rows: int = 0  # sampled rows a grammar masked (structured outputs)
     seconds: float | None = None  # the step's time on the device (engine/step_timer.py): what the cost model fits
 
 
@@ -44,8 +47,9 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, encoder: torch.nn.Module | None = None, max_num_batched_tokens: int = 2048,
                  attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0,
-                 cpu_decode_kernel: bool = False) -> None:
+                 cpu_decode_kernel: bool = False, eos_token_id: int | None = None) -> None:
         self.model = model
+        self.eos_token_id = eos_token_id  # what a constrained row whose grammar allows nothing is left with
         self.encoder = encoder
         self.block_size = block_size
         self.device = device
@@ -163,8 +167,14 @@ class ModelRunner:
         if sample_reqs:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            sampled = self.sampler(logits, [r.sampling_params for r in sample_reqs], [r.rng for r in sample_reqs])
+            grammars = [r.grammar for r in sample_reqs]
+            out.num_sampled_rows = len(grammars)
+            out.num_constrained_rows = sum(g is not None for g in grammars)
+            keep_raw = any(r.grammar is not None and r.sampling_params.logprobs is not None for r in sample_reqs)
+            allowed = constrain(logits, grammars, self.eos_token_id, keep_raw)
+            sampled = self.sampler(allowed, [r.sampling_params for r in sample_reqs], [r.rng for r in sample_reqs])
             tokens = sampled.tolist()
+            advance(grammars, tokens)
             out.sampled.update((r.req_id, tok) for r, tok in zip(sample_reqs, tokens))
             self._logprobs(logits, sampled, sample_reqs, out)
 

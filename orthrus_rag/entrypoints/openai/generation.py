@@ -14,6 +14,7 @@ from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
 from orthrus_rag.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from orthrus_rag.entrypoints.openai.schemas import ChatCompletionRequest, CompletionRequest
 from orthrus_rag.entrypoints.openai.service import OpenAIService, as_prompts, new_id
+from orthrus_rag.entrypoints.openai.structured import checked_constraint
 
 Runner = Callable[[Awaitable[Any]], Awaitable[Any]]
 
@@ -44,16 +45,17 @@ def chat_prompt(service: OpenAIService, req: ChatCompletionRequest) -> list[int]
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _chat_params(service: OpenAIService, req: ChatCompletionRequest) -> list:
+async def _chat_params(service: OpenAIService, req: ChatCompletionRequest) -> list:
     service.check_generation_model(req.model)
     _refuse_unsupported(req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    structured = await checked_constraint(service.tokenizer, req)
     return [service.sampling_params(req.token_limit(), req.temperature, req.top_p, req.stop_list(), req.seed, i,
-                                    logprobs) for i in range(req.n)]
+                                    logprobs, structured) for i in range(req.n)]
 
 
 async def chat(service: OpenAIService, req: ChatCompletionRequest, run: Runner | None = None) -> dict[str, Any]:
-    params = _chat_params(service, req)
+    params = await _chat_params(service, req)
     prompt = chat_prompt(service, req)
     outs = await service.generate_many(prompt, params, run)
     choices = []
@@ -70,7 +72,7 @@ async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> Asy
     """The chunks (dicts): a role chunk per choice, content deltas, a finish chunk per choice, usage if asked.
     Checks run before the first chunk, so a bad request is an error status, not a broken stream; a failure
     after it raises `OpenAIError` from the iterator (`sse_events` turns that into an error event)."""
-    params = _chat_params(service, req)
+    params = await _chat_params(service, req)
     if req.logprobs:
         raise bad_request("logprobs are not supported with stream=true; ask without streaming", "logprobs")
     prompt = chat_prompt(service, req)
@@ -100,17 +102,18 @@ async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> Asy
 
 
 # ---- completions -------------------------------------------------------------------------------------------
-def _completion_params(service: OpenAIService, req: CompletionRequest) -> tuple[list, list]:
+async def _completion_params(service: OpenAIService, req: CompletionRequest) -> tuple[list, list]:
     service.check_generation_model(req.model)
     _refuse_unsupported(req)
     prompts = as_prompts(req.prompt)
+    structured = await checked_constraint(service.tokenizer, req)
     params = [service.sampling_params(req.max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed, i,
-                                      req.logprobs) for i in range(req.n)]
+                                      req.logprobs, structured) for i in range(req.n)]
     return prompts, params
 
 
 async def completions(service: OpenAIService, req: CompletionRequest, run: Runner | None = None) -> dict[str, Any]:
-    prompts, params = _completion_params(service, req)
+    prompts, params = await _completion_params(service, req)
     service.reserve(len(prompts) * len(params))
     # NOTE: every prompt's samples are submitted together, so they share engine steps
     tasks = [asyncio.ensure_future(service.generate_many(prompt, params, run)) for prompt in prompts]
@@ -134,7 +137,7 @@ async def completions(service: OpenAIService, req: CompletionRequest, run: Runne
 
 async def completions_stream(service: OpenAIService, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
     """The chunks (dicts) of a streamed completion; as `chat_stream`."""
-    prompts, params = _completion_params(service, req)
+    prompts, params = await _completion_params(service, req)
     if len(prompts) != 1:
         raise bad_request("stream=true takes one prompt per request", "prompt")
     if req.logprobs is not None:

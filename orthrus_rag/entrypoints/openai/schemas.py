@@ -46,6 +46,13 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # output constraints (entrypoints/openai/structured.py): OpenAI's response_format, vLLM's extra fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -111,7 +118,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
 
@@ -121,8 +127,6 @@ class ChatCompletionRequest(_Sampling):
             bad.append("tools / function calling")
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
             bad.append("tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            bad.append(f"response_format {self.response_format.get('type')!r}")
         if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
             bad.append("audio output")
         for m in self.messages:

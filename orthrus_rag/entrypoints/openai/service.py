@@ -20,7 +20,7 @@ from orthrus_rag.engine.async_engine import EngineQueueFull, EngineShutdown, Req
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import PoolingParams, SamplingParams, StructuredOutputsParams
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
 from orthrus_rag.entrypoints.openai.schemas import MAX_INPUTS, MAX_TEXT_CHARS, EmbeddingRequest, ModelCard, ModelList
@@ -105,14 +105,16 @@ class OpenAIService:
     # ---- generation -----------------------------------------------------------------------------------------
     def sampling_params(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
                         stop: list[str], seed: int | None, index: int, logprobs: int | None = None,
-                        ) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """OpenAI defaults: temperature 1, top_p 1; `n` samples differ by seed (seed + index when one is given);
-        `logprobs`: the top tokens to report per position (None: no log-probabilities)."""
+        `logprobs`: the top tokens to report per position (None: no log-probabilities); `structured`: the output
+        constraint (entrypoints/openai/structured.py)."""
         try:
             return SamplingParams(max_tokens=max_tokens or self.default_max_tokens,
                                   temperature=1.0 if temperature is None else temperature,
                                   top_p=1.0 if top_p is None else top_p, stop=stop,
-                                  seed=None if seed is None else (seed + index) % (2**63), logprobs=logprobs)
+                                  seed=None if seed is None else (seed + index) % (2**63), logprobs=logprobs,
+                                  structured_outputs=structured)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 

@@ -4,14 +4,18 @@ streaming and usage metadata. The model's chat template renders the messages (se
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage,
                                      SystemMessage, ToolMessage)
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field
 
 from orthrus_rag.integrations.langchain._base import OrthrusConnection
@@ -46,7 +50,9 @@ class ChatOrthrus(OrthrusConnection, BaseChatModel):
     chat = ChatOrthrus(base_url="http://127.0.0.1:8000/v1")                  # against `orthrus-rag serve`
     chat.invoke("Name the three primary colours.")
     ```
-    Tool calling, structured output and images are not supported (the server answers 400).
+    `with_structured_output(schema)` constrains decoding to a pydantic model's or a JSON schema's shape (the
+    server's `response_format`), so the output always parses. Tool calling and images are not supported (the
+    server answers 400).
     """
 
     model: str | None = Field(default=None, alias="model_name")
@@ -83,6 +89,36 @@ class ChatOrthrus(OrthrusConnection, BaseChatModel):
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
+
+    def with_structured_output(self, schema: dict | type, *, include_raw: bool = False,
+                               method: Literal["json_schema", "json_mode"] = "json_schema",
+                               **kwargs: Any) -> Runnable:
+        """A runnable that returns `schema`'s instance (pydantic model) or a dict (JSON schema, TypedDict).
+
+        `method="json_schema"` (the default) constrains the tokens to the schema itself; `"json_mode"` only to
+        some JSON object (the prompt must ask for the keys). `include_raw`: return
+        `{"raw": AIMessage, "parsed": ..., "parsing_error": ...}` instead of raising on a parse failure."""
+        if kwargs:
+            raise ValueError(f"unexpected arguments {', '.join(sorted(kwargs))}; ChatOrthrus takes include_raw and "
+                             "method")
+        json_schema = convert_to_json_schema(schema)
+        if method == "json_schema":
+            response_format = {"type": "json_schema", "json_schema": {
+                "name": json_schema.get("title", "output"), "schema": json_schema, "strict": True}}
+        elif method == "json_mode":
+            response_format = {"type": "json_object"}
+        else:
+            raise ValueError(f"method {method!r} is not supported: use 'json_schema' or 'json_mode' (ChatOrthrus "
+                             "has no tool calling)")
+        llm = self.bind(response_format=response_format,
+                        ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema})
+        is_model = isinstance(schema, type) and is_basemodel_subclass(schema)  # pydantic 2 or 1
+        parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=lambda x: parser.invoke(x["raw"]), parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     def _payload(self, messages: list[BaseMessage], stop: list[str] | None, **kwargs: Any) -> dict[str, Any]:
         payload: dict[str, Any] = {
