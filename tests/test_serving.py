@@ -215,7 +215,7 @@ def test_bad_completion_requests_are_4xx_naming_the_problem(served, body, status
      "image_url content"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
-    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": {"type": "xml"}}, "xml"),
     ({"n": 0}, "n"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
     ({"temperature": "0.5"}, "temperature"),

@@ -73,7 +73,7 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         kind = spec.kind
-        options = {"whitespace_flexible": spec.whitespace_flexible}
+        options = {"whitespace_flexible": spec.whitespace_flexible, "item_separator": ", ", "key_separator": ": "}
         if kind == "json":
             return LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=options)
         if kind == "json_object":

@@ -139,18 +139,22 @@ class _CountRequests:
         if kind is None or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        status: list[int] = []
+        started = False
 
         async def sending(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                # NOTE: counted before the status goes out, so a client that has its answer sees it counted
+                started = True
+                code = message["status"]
+                self.metrics.requests.labels(kind, "ok" if code == 200 else str(code)).inc()
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
-            label = "error" if not status else ("ok" if status[0] == 200 else str(status[0]))
-            self.metrics.requests.labels(kind, label).inc()
+            if not started:
+                self.metrics.requests.labels(kind, "error").inc()
 
 
 class _BodyLimit:

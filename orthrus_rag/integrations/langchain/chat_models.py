@@ -91,27 +91,32 @@ class ChatOrthrus(OrthrusConnection, BaseChatModel):
         return params
 
     def with_structured_output(self, schema: dict | type, *, include_raw: bool = False,
-                               method: Literal["json_schema", "json_mode"] = "json_schema",
-                               **kwargs: Any) -> Runnable:
+                               method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+                               strict: bool | None = None, **kwargs: Any) -> Runnable:
         """A runnable that returns `schema`'s instance (pydantic model) or a dict (JSON schema, TypedDict).
 
-        `method="json_schema"` (the default) constrains the tokens to the schema itself; `"json_mode"` only to
-        some JSON object (the prompt must ask for the keys). `include_raw`: return
-        `{"raw": AIMessage, "parsed": ..., "parsing_error": ...}` instead of raising on a parse failure."""
+        `method="json_schema"` (the default) constrains the tokens to the schema itself, and so does
+        `"function_calling"` (there is no tool calling: the schema's arguments come from the same constraint);
+        `"json_mode"` only to some JSON object (the prompt must ask for the keys). `include_raw`: return
+        `{"raw": AIMessage, "parsed": ..., "parsing_error": ...}` instead of raising on a parse failure.
+        `strict` is accepted for OpenAI compatibility: the schema is always enforced (a constrained decoder has no
+        weaker mode)."""
         if kwargs:
-            raise ValueError(f"unexpected arguments {', '.join(sorted(kwargs))}; ChatOrthrus takes include_raw and "
-                             "method")
+            raise ValueError(f"unexpected arguments {', '.join(sorted(kwargs))}; ChatOrthrus takes include_raw, "
+                             "method and strict")
         json_schema = convert_to_json_schema(schema)
-        if method == "json_schema":
+        if method in ("json_schema", "function_calling"):
+            # NOTE: no tool calling here; a tool's arguments are what constrained decoding to its schema gives
             response_format = {"type": "json_schema", "json_schema": {
-                "name": json_schema.get("title", "output"), "schema": json_schema, "strict": True}}
+                "name": json_schema.get("title", "output"), "schema": json_schema, "strict": strict is not False}}
         elif method == "json_mode":
             response_format = {"type": "json_object"}
         else:
-            raise ValueError(f"method {method!r} is not supported: use 'json_schema' or 'json_mode' (ChatOrthrus "
-                             "has no tool calling)")
+            raise ValueError(f"method {method!r} is not supported: use 'json_schema', 'function_calling' (the same "
+                             "constraint) or 'json_mode'")
         llm = self.bind(response_format=response_format,
-                        ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema})
+                        ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
+                                                     "schema": json_schema})
         is_model = isinstance(schema, type) and is_basemodel_subclass(schema)  # pydantic 2 or 1
         parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
         if not include_raw:

@@ -1,0 +1,142 @@
+"""Structured outputs through the OpenAI server (response_format, vLLM's extra fields, streaming, 400s that name
+the field) and through LangChain (`ChatOrthrus.with_structured_output`, in process and over HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from orthrus_rag import Engine
+from orthrus_rag.integrations.langchain import ChatOrthrus, LocalOrthrus
+
+pytestmark = pytest.mark.slow  # the session's server (SmolLM2 + MiniLM)
+
+
+class City(BaseModel):
+    """A city and its country."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population_millions: int = Field(ge=0, le=50)
+
+
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": City.model_json_schema(),
+                                                       "strict": True}}
+ASK = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _bad(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    return info.value.body
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+def test_json_schema_response_format(client, served):
+    resp = client.chat.completions.create(model=served.model, messages=ASK, max_tokens=96, temperature=0,
+                                          response_format=CITY_FORMAT)
+    City.model_validate_json(resp.choices[0].message.content)
+    assert resp.choices[0].finish_reason == "stop"
+    # streamed: the deltas add up to the same valid object
+    stream = client.chat.completions.create(model=served.model, messages=ASK, max_tokens=96, temperature=0,
+                                            response_format=CITY_FORMAT, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == resp.choices[0].message.content
+
+
+def test_json_object_and_vllm_extra_fields(client, served):
+    short = [{"role": "user", "content": 'Reply with a JSON object like {"name": "..."} naming a fruit.'}]
+    resp = client.chat.completions.create(model=served.model, messages=short, max_tokens=64, temperature=0,
+                                          response_format={"type": "json_object"})
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    yes_no = [{"role": "user", "content": "Is Paris in France?"}]
+    resp = client.chat.completions.create(model=served.model, messages=yes_no, max_tokens=8, temperature=0,
+                                          extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert resp.choices[0].message.content in ("yes", "no")
+    resp = client.chat.completions.create(model=served.model, messages=yes_no, max_tokens=8, temperature=0,
+                                          extra_body={"guided_choice": ["oui", "non"]})
+    assert resp.choices[0].message.content in ("oui", "non")
+    resp = client.completions.create(model=served.model, prompt="The capital of France is", max_tokens=12,
+                                     temperature=0, extra_body={"guided_regex": r" [A-Z][a-z]+\."})
+    assert re.fullmatch(r" [A-Z][a-z]+\.", resp.choices[0].text)
+    # n samples of one constrained request all follow it
+    resp = client.chat.completions.create(model=served.model, messages=yes_no, max_tokens=8, n=3, seed=1,
+                                          extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert all(c.message.content in ("yes", "no", "maybe") for c in resp.choices)
+
+
+def test_bad_constraints_are_400s_naming_the_field(client, served):
+    def chat(**kw):
+        return lambda: client.chat.completions.create(model=served.model, messages=ASK, max_tokens=8, **kw)
+
+    body = _bad(chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frobnicate"}}}))
+    assert body["param"] == "response_format" and "invalid JSON schema" in body["message"]
+    assert "frobnicate" in body["message"]
+    body = _bad(chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}))
+    assert body["param"] == "response_format" and "json_schema.schema" in body["message"]
+    body = _bad(chat(response_format={"type": "yaml"}))
+    assert "'yaml'" in body["message"]
+    body = _bad(chat(extra_body={"structured_outputs": {"regex": "(unclosed"}}))
+    assert body["param"] == "structured_outputs" and "invalid regex" in body["message"]
+    body = _bad(chat(extra_body={"structured_outputs": {"regexp": "a"}}))
+    assert "unknown field(s) regexp" in body["message"]
+    body = _bad(chat(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"}))
+    assert "one output constraint" in body["message"] and body["param"] == "guided_regex"
+    body = _bad(chat(extra_body={"guided_choice": []}))
+    assert body["param"] == "guided_choice"
+    # streamed: the error is the status of the response, not a broken stream
+    with pytest.raises(openai.BadRequestError):
+        chat(stream=True, extra_body={"guided_regex": "(unclosed"})()
+    # nothing was submitted, nothing leaked
+    assert served.aengine.num_in_flight == 0
+
+
+# ---- LangChain --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local(served):
+    src = served.engine
+    engine = Engine(src.config, src.runner.model, src.tokenizer, encoder=src.runner.encoder,
+                    encoder_tokenizer=src.inputs.encoder_tokenizer, encoder_pooling=src.encoder_pooling)
+    shared = LocalOrthrus.of(engine)
+    yield shared
+    shared.close()
+
+
+@pytest.mark.parametrize("where", ["in_process", "http"])
+def test_with_structured_output(where, local, served):
+    chat = (ChatOrthrus(engine=local, max_tokens=96, temperature=0) if where == "in_process"
+            else ChatOrthrus(base_url=served.url, max_tokens=96, temperature=0))
+    city = chat.with_structured_output(City).invoke("Tell me about Rome as JSON.")
+    assert isinstance(city, City) and city.name
+    chunks = list(chat.with_structured_output(City).stream("Tell me about Rome as JSON."))
+    assert chunks and all(isinstance(c, City) for c in chunks) and chunks[-1] == city
+    as_dict = chat.with_structured_output(City.model_json_schema()).invoke("Tell me about Rome as JSON.")
+    assert as_dict == city.model_dump()
+    raw = asyncio.run(chat.with_structured_output(City, include_raw=True).ainvoke("Tell me about Rome as JSON."))
+    assert raw["parsed"] == city and raw["parsing_error"] is None and raw["raw"].content
+    # json_mode constrains to some JSON object only: the small model may not write a City (nor finish in budget),
+    # and include_raw reports that instead of raising
+    mode = chat.with_structured_output(City, method="json_mode", include_raw=True).invoke(
+        "Tell me about Rome as JSON.")
+    assert mode["raw"].content.startswith("{")
+    assert (mode["parsed"] is None) == (mode["parsing_error"] is not None)
+
+
+def test_with_structured_output_refuses_what_it_cannot_do(local):
+    chat = ChatOrthrus(engine=local)
+    with pytest.raises(ValueError, match="method 'xml' is not supported"):
+        chat.with_structured_output(City, method="xml")
+    with pytest.raises(ValueError, match="unexpected arguments tools"):
+        chat.with_structured_output(City, tools=[])
