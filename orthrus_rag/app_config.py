@@ -15,6 +15,7 @@ from typing import Any
 from orthrus_rag.engine.deploy import DEPLOYMENTS
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.data.loaders import DATASETS as _DATASET_SPECS
+from orthrus_rag.pipelines.answer_formats import check_answer_format
 from orthrus_rag.pipelines.iter_retgen import PIPELINES
 from orthrus_rag.retrievers.faiss_index import INDEX_TYPES
 
@@ -67,6 +68,9 @@ class PipelineConf:
     max_concurrency: int | None = None  # questions in flight; None: sized from the engine (see default_concurrency)
     question_timeout_s: float | None = None  # a question unanswered this long is recorded as failed; None: no limit
     chat_template: bool = True
+    # how the final iteration writes its answer: free | constrained ("... So the answer is X." forced by a
+    # grammar) | json ({"answer": ...}); see orthrus_rag/pipelines/answer_formats.py
+    answer_format: str = "free"
 
 
 @dataclass
@@ -136,6 +140,7 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"pipeline.iterations must be at least 1, got {cfg.pipeline.iterations}")
     if cfg.pipeline.max_tokens < 1:
         raise ValueError(f"pipeline.max_tokens must be at least 1, got {cfg.pipeline.max_tokens}")
+    check_answer_format(cfg.pipeline.answer_format)
     for adapter in cfg.model.embedding_adapters:
         if not Path(adapter).is_dir():
             raise ValueError(f"model.embedding_adapters: no such folder: {adapter}")

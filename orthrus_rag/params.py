@@ -65,6 +65,14 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
+    def as_request(self) -> dict[str, Any]:
+        """The constraint as vLLM's `structured_outputs` request field (what the server reads back)."""
+        value: Any = getattr(self, self.kind)
+        body = {self.kind: list(value) if self.kind == "choice" else value}
+        if self.whitespace_flexible:
+            body["whitespace_flexible"] = True
+        return body
+
     @property
     def key(self) -> str:
         """What identifies the compiled grammar (the compiler's cache key)."""

@@ -43,7 +43,7 @@ def parse_answer(generation: str, question: str | None = None) -> ParsedAnswer:
     else:
         text = next((line for line in generation.splitlines() if line.strip(_EDGE + "#-")), "")
     answer = _first_sentence(_first_line(text.lstrip(_EDGE + "\n")))
-    return ParsedAnswer(_yes_no(answer, question), found)
+    return ParsedAnswer(reduce_yes_no(answer, question), found)
 
 
 def extract_answer(generation: str, question: str | None = None) -> str:
@@ -73,7 +73,7 @@ def _first_sentence(text: str) -> str:
     return text.strip(_EDGE).rstrip(".").strip(_EDGE)
 
 
-def _yes_no(answer: str, question: str | None) -> str:
+def reduce_yes_no(answer: str, question: str | None) -> str:
     """A bare "Yes" / "No." -> "yes" / "no" for any question; "No, they are not ..." / "Yes. Both ..." only when the
     question is a yes/no question (for another, "No. 1 Ladies' Detective Agency" or "No Way Out" is a title), and
     never "No." followed by a number ("No. 1 ..."), which is a title or a rank even there."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 from orthrus_rag.data.types import Passage, QAExample
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
-from orthrus_rag.pipelines.answers import parse_answer
+from orthrus_rag.pipelines.answer_formats import final_constraint, parse_final
 from orthrus_rag.pipelines.metrics import answer_scores, recall_at_k
 from orthrus_rag.pipelines.prompts import build_prompt
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
@@ -57,12 +58,13 @@ class IterRetGen:
 
     `max_concurrency`: questions in flight (None: sized from the engine, see `default_concurrency`);
     `question_timeout_s`: a question still unanswered this long after it started is recorded as failed and its
-    requests are aborted (None: no limit)."""
+    requests are aborted (None: no limit); `answer_format`: free | constrained | json, how the final iteration
+    writes its answer (answer_formats.py)."""
 
     def __init__(self, client: EngineClient, retriever: AsyncRetriever | None, iterations: int = 2, k: int = 5,
                  sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
-                 question_timeout_s: float | None = None) -> None:
+                 question_timeout_s: float | None = None, answer_format: str = "free") -> None:
         if iterations < 1:
             raise ValueError(f"iterations must be at least 1, got {iterations}")
         if k < 1:
@@ -81,6 +83,11 @@ class IterRetGen:
         self.max_concurrency = max_concurrency or default_concurrency(capacity)
         self.recall_ks = recall_ks
         self.question_timeout_s = question_timeout_s
+        # the final iteration's generation under the answer format's constraint (answer_formats.py)
+        self.answer_format = answer_format
+        constraint = final_constraint(answer_format, self.sampling_params.max_tokens)
+        self.final_params = (self.sampling_params if constraint is None
+                             else dataclasses.replace(self.sampling_params, structured_outputs=constraint))
 
     def _render(self, prompt: str) -> str:
         if self.chat_template is None or not getattr(self.chat_template, "chat_template", None):
@@ -109,10 +116,11 @@ class IterRetGen:
             t1 = time.perf_counter()
             prompt = self._render(build_prompt(ex.question, [p for p, _ in retrieved]
                                                if self.retriever is not None else None))
-            out = await self.client.generate(prompt, self.sampling_params)
+            final = t == self.iterations
+            out = await self.client.generate(prompt, self.final_params if final else self.sampling_params)
             t2 = time.perf_counter()
             previous = out.text.strip()
-            parsed = parse_answer(previous, ex.question)
+            parsed = parse_final(previous, self.answer_format if final else "free", ex.question)
             rec.iterations.append(IterationRecord(
                 t, query, [{"id": p.id, "title": p.title, "score": float(s)} for p, s in retrieved], prompt,
                 previous, parsed.answer, t1 - t0, t2 - t1, parsed.found))

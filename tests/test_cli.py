@@ -33,6 +33,7 @@ def no_models(monkeypatch):
     ("scheduler.policy=fifo", "scheduler: unknown scheduling policy 'fifo'"),
     ("deploy.max_in_flight=0", "deploy.max_in_flight"),
     ("serve.port=70000", "serve.port"),
+    ("pipeline.answer_format=yaml", "unknown answer_format 'yaml'"),
 ])
 def test_bad_values_fail_before_any_model_loads_and_leave_no_folder(override, named, tmp_path, no_models, capsys):
     run_dir = tmp_path / "run"

@@ -97,7 +97,7 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> IterRetGen
     return IterRetGen(client, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
                       sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
                       chat_template=client.tokenizer if p.chat_template else None, max_concurrency=concurrency,
-                      question_timeout_s=p.question_timeout_s)
+                      question_timeout_s=p.question_timeout_s, answer_format=p.answer_format)
 
 
 def _iterations(cfg: Any) -> int:
@@ -110,7 +110,7 @@ def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:
     return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "model": cfg.model.name,
             "embedding_model": cfg.model.embedding_model, "policy": cfg.scheduler.policy, "serving": client.name,
             "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "index_type": cfg.retriever.index_type,
-            "k": cfg.retriever.k, "max_concurrency": max_concurrency}
+            "k": cfg.retriever.k, "max_concurrency": max_concurrency, "answer_format": cfg.pipeline.answer_format}
 
 
 class _Closing:

@@ -82,6 +82,8 @@ class RemoteClient:
                 "temperature": p.temperature, "top_p": p.top_p, "stop": list(p.stop) or None}
         if p.seed is not None:
             args["seed"] = p.seed
+        if p.structured_outputs is not None:
+            args["extra_body"] = {"structured_outputs": p.structured_outputs.as_request()}
         return args
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

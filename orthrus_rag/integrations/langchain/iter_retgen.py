@@ -36,7 +36,8 @@ class _ChatGenerator:
             "model": self.chat.model or transport.generation_model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             **({"seed": params.seed} if params.seed is not None else {}),
-            **({"stop": list(params.stop)} if params.stop else {})})
+            **({"stop": list(params.stop)} if params.stop else {}),
+            **({"structured_outputs": params.structured_outputs.as_request()} if params.structured_outputs else {})})
         return _Text(body["choices"][0]["message"]["content"] or "")
 
 
@@ -59,10 +60,11 @@ class IterRetGenRunnable(Runnable[QuestionInput, dict[str, Any]]):
     when answers were given)."""
 
     def __init__(self, retriever: Any, chat: ChatOrthrus, iterations: int = 2, k: int = 5, max_tokens: int = 96,
-                 temperature: float = 0.0) -> None:
+                 temperature: float = 0.0, answer_format: str = "free") -> None:
         dense = getattr(retriever, "retriever", retriever)
         self.pipeline = IterRetGen(_ChatGenerator(chat), dense, iterations=iterations, k=k,
-                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=temperature))
+                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                                   answer_format=answer_format)
 
     # ---- async -------------------------------------------------------------------------------------------------
     async def ainvoke(self, input: QuestionInput, config: RunnableConfig | None = None,
