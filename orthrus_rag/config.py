@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+ADAPTER_KINDS = ("generate", "embed", "both")
+LORA_KERNELS = ("auto", "per_slot", "stacked")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -18,6 +20,14 @@ class ModelConfig:
 
     name: str = "smollm2-135m-instruct"
     embedding_adapters: list[str] = field(default_factory=list)  # PEFT folders; the first is the default
+    # named PEFT LoRA folders ({name: path}) that requests address by name (SamplingParams.adapter,
+    # PoolingParams.adapter, or the API's `model`); each may generate and embed unless `adapter_kinds` says
+    # one ("generate" | "embed" | "both")
+    adapters: dict[str, str] = field(default_factory=dict)
+    adapter_kinds: dict[str, str] = field(default_factory=dict)
+    # how adapter rows are added in a step with several adapters: "auto" (by adapters in the step, measured:
+    # layers/lora.py), "per_slot" (two small products per adapter) or "stacked" (all adapters' A and B at once)
+    lora_kernel: str = "auto"
     embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
     # "auto": bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 / AMX: 3-4x fp32's GEMMs there),
     # float32 on other CPUs; norms, rotary, softmax, logits, sampling and pooling sums run in fp32 either way
@@ -38,6 +48,21 @@ class ModelConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected auto or one of {', '.join(_DTYPES)}")
         if self.linear_kernel not in ("auto", "dense", "onednn"):
             raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; expected auto, dense or onednn")
+        if self.lora_kernel not in LORA_KERNELS:
+            raise ValueError(f"unknown lora_kernel {self.lora_kernel!r}; expected {', '.join(LORA_KERNELS)}")
+        self.adapters, self.adapter_kinds = dict(self.adapters), dict(self.adapter_kinds)
+        for name, kind in self.adapter_kinds.items():
+            if name not in self.adapters:
+                raise ValueError(f"adapter_kinds names {name!r}, which is not in adapters "
+                                 f"({', '.join(sorted(self.adapters)) or 'none'})")
+            if kind not in ADAPTER_KINDS:
+                raise ValueError(f"adapter {name!r}: unknown kind {kind!r}; expected {', '.join(ADAPTER_KINDS)}")
+        if any(not name for name in self.adapters):
+            raise ValueError("an adapter needs a non-empty name")
+
+    def adapter_kind(self, name: str) -> str:
+        """What a named adapter may do: "generate", "embed" or "both" (a plain PEFT folder may do both)."""
+        return self.adapter_kinds.get(name, "both")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -99,6 +99,9 @@ class SamplingParams:
     logprobs: int | None = None
     # a constraint on the output, applied as a token mask before sampling (orthrus_rag/structured/)
     structured_outputs: StructuredOutputsParams | None = None
+    # a loaded LoRA adapter that generates (`model.adapters`), applied to this request's rows in every step, prompt
+    # chunks and decodes alike; None: the base model
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

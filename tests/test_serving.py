@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import torch
 
 from tests.conftest import SERVED_MAX_IN_FLIGHT, SERVED_REFERENCE_TEXTS
 

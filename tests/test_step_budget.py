@@ -20,7 +20,7 @@ CAP = 128
 
 def _fake_cost(base: float = 0.02, per_token: float = 0.001) -> StepCostModel:
     model = StepCostModel()
-    model.theta = np.array([base, per_token, 0.0, 0.0])
+    model.theta = np.array([base, per_token, 0.0, 0.0, 0.0, 0.0])
     return model
 
 
@@ -95,11 +95,14 @@ def test_never_above_the_cap_and_every_kind_progresses(margin, num_gen, num_emb,
 def test_online_fit_recovers_a_linear_cost():
     model = StepCostModel()
     rng = np.random.default_rng(0)
-    for _ in range(400):
-        shape = StepShape(int(rng.integers(1, 512)), int(rng.integers(0, 200_000)), int(rng.integers(0, 64)))
-        truth = 0.030 + 0.0008 * shape.num_tokens + 2e-5 * shape.attention_pairs / 1000 + 3e-4 * shape.num_encoder_tokens
+    for _ in range(600):
+        tokens = int(rng.integers(1, 512))
+        shape = StepShape(tokens, int(rng.integers(0, 200_000)), int(rng.integers(0, 64)),
+                          int(rng.integers(0, tokens + 1)), int(rng.integers(0, 9)))
+        truth = (0.030 + 0.0008 * shape.num_tokens + 2e-5 * shape.attention_pairs / 1000
+                 + 3e-4 * shape.num_encoder_tokens + 1e-4 * shape.num_adapter_rows + 2e-3 * shape.num_adapters)
         model.observe(shape, truth * float(rng.uniform(0.98, 1.02)))
-    np.testing.assert_allclose(model.theta, [0.030, 0.0008, 2e-5, 3e-4], rtol=0.1, atol=2e-6)
+    np.testing.assert_allclose(model.theta, [0.030, 0.0008, 2e-5, 3e-4, 1e-4, 2e-3], rtol=0.1, atol=2e-6)
     assert model.tokens_within(StepShape(10, 0), 0.030 + 0.0008 * 60, 0.0) in range(48, 52)
 
 

@@ -42,10 +42,13 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any,
                  adapter_slots: dict[str, int] | None = None, encoder: torch.nn.Module | None = None,
-                 encoder_tokenizer: Any = None, encoder_pooling: dict | None = None) -> None:
+                 encoder_tokenizer: Any = None, encoder_pooling: dict | None = None,
+                 adapter_kinds: dict[str, str] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.adapter_slots = dict(adapter_slots or {})
+        # name -> "generate" | "embed" | "both"; an adapter without one embeds (the embedding_adapters' kind)
+        self.adapter_kinds = dict(adapter_kinds or {})
         self._space: EmbeddingSpace | None = None  # what `embedding_space` reports, made on first use
         self.encoder_pooling = encoder_pooling or {}
         device = torch.device(config.model.device)
@@ -101,7 +104,7 @@ class Engine:
         check_policy(config.scheduler.policy)  # NOTE: before any weights load
         loaded = load_models(config)
         return cls(config, loaded.model, loaded.tokenizer, loaded.adapter_slots, loaded.encoder,
-                   loaded.encoder_tokenizer, loaded.encoder_pooling)
+                   loaded.encoder_tokenizer, loaded.encoder_pooling, loaded.adapter_kinds)
 
     # ---- submission -------------------------------------------------------------------------------------
     def _new_id(self, prefix: str) -> str:
@@ -114,10 +117,11 @@ class Engine:
         `HandoffOutput` (KV included, blocks freed) instead of continuing it, unless that token finished it."""
         params = params or SamplingParams()
         ids = self.inputs.prompt(prompt)
+        slot = self.embedding_space.generation_slot(params.adapter)
         grammar = self._matcher(params)
         req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
                       rng=make_generator(params.seed, self.config.model.device), stream=stream,
-                      handoff=handoff, grammar=grammar)
+                      handoff=handoff, grammar=grammar, adapter_slot=slot)
         return self._add(req)
 
     @property
@@ -149,7 +153,8 @@ class Engine:
                       sampling_params=handoff.sampling_params, output_token_ids=list(handoff.output_token_ids),
                       output_text=handoff.output_text, output_logprobs=list(handoff.output_logprobs),
                       rng=restore_generator(handoff.generator_state, self.config.model.device),
-                      grammar=self._matcher(handoff.sampling_params, handoff.output_token_ids))
+                      grammar=self._matcher(handoff.sampling_params, handoff.output_token_ids),
+                      adapter_slot=self.embedding_space.generation_slot(handoff.sampling_params.adapter))
         if handoff.metrics is not None:
             req.arrival_time = handoff.metrics.arrival_time
             req.first_scheduled_time = handoff.metrics.first_scheduled_time
@@ -188,7 +193,8 @@ class Engine:
         """What this engine's embeddings are (models, adapters, the encoder's pooling): the space its clients
         report and that owns the embedding route."""
         space = self._space
-        if space is None or space.adapter_slots != self.adapter_slots:  # NOTE: built once; rebuilt if reassigned
+        if space is None or space.adapter_slots != self.adapter_slots or space.adapter_kinds != self.adapter_kinds:
+            # NOTE: built once; rebuilt if reassigned
             space = self._space = self._make_space()
         return space
 
@@ -198,7 +204,8 @@ class Engine:
         return EmbeddingSpace(mc.name, mc.embedding_model if encoder is not None else None,
                               tuple(mc.embedding_adapters), dict(self.adapter_slots), dict(self.encoder_pooling),
                               hidden_size=int(self.runner.model.config.hidden_size),
-                              encoder_hidden_size=int(encoder.hidden_size) if encoder is not None else None)
+                              encoder_hidden_size=int(encoder.hidden_size) if encoder is not None else None,
+                              adapter_kinds=dict(self.adapter_kinds))
 
     def embedding_route(self, params: PoolingParams | None = None) -> EmbeddingRoute:
         """Where an embedding with `params` runs (ValueError for an unknown adapter)."""

@@ -1,7 +1,10 @@
-"""Where an embedding runs: the separate encoder, or the decoder backbone with a LoRA adapter (or none).
+"""Where an embedding runs: the separate encoder, or the decoder backbone with a LoRA adapter (or none); and
+which adapter a generation runs under.
 
-The one owner of that rule (`route_embedding`); `EmbeddingSpace` carries what a client's embeddings are, so the
-engine, the `Embedder` and the server all route through the same function."""
+The one owner of those rules (`route_embedding`, `generation_slot`); `EmbeddingSpace` carries what a client's
+embeddings are and which adapters it serves, so the engine, the `Embedder` and the server all route through the
+same functions. An adapter's kind ("generate", "embed" or "both") says which requests may name it; embedding
+adapters loaded as `model.embedding_adapters` are "embed", and the first of them is the default embedding."""
 
 from __future__ import annotations
 
@@ -28,21 +31,45 @@ class EmbeddingRoute:
         return f"decoder+{self.adapter}" if self.adapter else "decoder"
 
 
-def route_embedding(params: PoolingParams | None, has_encoder: bool,
-                    adapter_slots: Mapping[str, int]) -> EmbeddingRoute:
+def _can(kinds: Mapping[str, str], name: str, kind: str) -> bool:
+    return kinds.get(name, "embed") in (kind, "both")  # NOTE: a slot without a kind is an embedding adapter
+
+
+def route_embedding(params: PoolingParams | None, has_encoder: bool, adapter_slots: Mapping[str, int],
+                    adapter_kinds: Mapping[str, str] | None = None) -> EmbeddingRoute:
     """The encoder when there is one and `params` name no adapter; else the backbone with the named adapter, or
-    the first loaded one (the default embedding adapter), or none. An unknown adapter is a ValueError."""
+    the first embedding-only one (the default embedding adapter), or none. An unknown adapter, or one that only
+    generates, is a ValueError."""
+    kinds = adapter_kinds or {}
     adapter = params.adapter if params is not None else None
     if adapter == NO_ADAPTER:
         return EmbeddingRoute(on_encoder=False)
     if has_encoder and adapter is None:
         return EmbeddingRoute(on_encoder=True)
-    name = adapter or next(iter(adapter_slots), None)
+    name = adapter or next((n for n in adapter_slots if kinds.get(n, "embed") == "embed"), None)
     if name is None:
         return EmbeddingRoute(on_encoder=False)
     if name not in adapter_slots:
         raise ValueError(f"unknown adapter {name!r}; loaded: {sorted(adapter_slots) or 'none'}")
+    if not _can(kinds, name, "embed"):
+        embedders = sorted(n for n in adapter_slots if _can(kinds, n, "embed"))
+        raise ValueError(f"adapter {name!r} generates only; embedding adapters: {embedders or 'none'}")
     return EmbeddingRoute(on_encoder=False, adapter=name, slot=adapter_slots[name])
+
+
+def generation_slot(adapter: str | None, adapter_slots: Mapping[str, int],
+                    adapter_kinds: Mapping[str, str] | None = None) -> int:
+    """The slot a generation runs under: 0 (the base model) for None; an unknown adapter, or one that only
+    embeds, is a ValueError naming the generation adapters."""
+    if adapter is None:
+        return 0
+    kinds = adapter_kinds or {}
+    generators = sorted(n for n in adapter_slots if _can(kinds, n, "generate"))
+    if adapter not in adapter_slots:
+        raise ValueError(f"unknown adapter {adapter!r}; generation adapters: {generators or 'none'}")
+    if not _can(kinds, adapter, "generate"):
+        raise ValueError(f"adapter {adapter!r} embeds only; generation adapters: {generators or 'none'}")
+    return adapter_slots[adapter]
 
 
 @dataclass(frozen=True)
@@ -61,6 +88,7 @@ class EmbeddingSpace:
     kind: str = "engine"
     hidden_size: int | None = None  # the backbone's width, where known without asking (in-process)
     encoder_hidden_size: int | None = None
+    adapter_kinds: Mapping[str, str] = field(default_factory=dict)  # name -> generate | embed | both
 
     @property
     def has_encoder(self) -> bool:
@@ -68,7 +96,18 @@ class EmbeddingSpace:
 
     def route(self, params: PoolingParams | None) -> EmbeddingRoute:
         """Where `params` embed: `route_embedding` (engine/routing.py) is the one owner of that rule."""
-        return route_embedding(params, self.has_encoder, self.adapter_slots)
+        return route_embedding(params, self.has_encoder, self.adapter_slots, self.adapter_kinds)
+
+    def embedding_adapters(self) -> list[str]:
+        """The loaded adapters an embedding may name, in load order."""
+        return [n for n in self.adapter_slots if _can(self.adapter_kinds, n, "embed")]
+
+    def generation_adapters(self) -> list[str]:
+        """The loaded adapters a generation may name, in load order."""
+        return [n for n in self.adapter_slots if _can(self.adapter_kinds, n, "generate")]
+
+    def generation_slot(self, adapter: str | None) -> int:
+        return generation_slot(adapter, self.adapter_slots, self.adapter_kinds)
 
     def dimension(self, route: EmbeddingRoute) -> int | None:
         """The width of the states `route` pools (None where unknown here: ask the client with one text)."""

@@ -34,6 +34,9 @@ class StepStats:
     num_forward_encoder_rows: int = 0
     num_sampled_rows: int = 0  # generation rows the sampler drew a token for
     num_constrained_rows: int = 0  # of those, rows masked by a structured-output grammar first
+    num_adapter_generate_rows: int = 0  # forward rows under a LoRA adapter, by kind
+    num_adapter_embed_rows: int = 0
+    num_adapters: int = 0  # distinct adapters with rows in the forward
     # prompt tokens this step's admissions found in the prefix cache (net of preempted ones' returned hits)
     num_prefix_hit_tokens: int = 0
 
@@ -62,6 +65,9 @@ class StepStats:
         self.num_forward_encoder_rows = executed.num_encoder_rows
         self.num_sampled_rows = executed.num_sampled_rows
         self.num_constrained_rows = executed.num_constrained_rows
+        self.num_adapter_generate_rows = executed.num_adapter_generate_rows
+        self.num_adapter_embed_rows = executed.num_adapter_embed_rows
+        self.num_adapters = executed.num_adapters
 
     @classmethod
     def from_schedule(cls, step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,

@@ -23,6 +23,8 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (K, V) per layer
     # (adapter slot >= 1, row indices of the flat batch that use it); rows of slot 0 use the base weights
     lora_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # the same rows as one list, with each row's slot: what the stacked LoRA product reads (None: build it)
+    lora_flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 _LOCAL = threading.local()  # per thread: engine loops in different threads never see each other's step

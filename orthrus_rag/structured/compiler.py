@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -51,6 +52,24 @@ class Matcher:
     @property
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
+
+
+_executor: Any = None
+_executor_lock = threading.Lock()
+
+
+def fill_masks(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
+    """Row i of `bitmask` := the tokens `matchers[i]` allows next, computed on llguidance's own threads (the
+    Python caller holds no lock meanwhile: the runner calls it from a worker thread while the forward runs)."""
+    global _executor
+    import llguidance
+    import llguidance.torch
+
+    with _executor_lock:
+        if _executor is None:
+            # NOTE: half the cores: the forward runs on the others at the same time
+            _executor = llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    llguidance.torch.fill_next_token_bitmask_par(_executor, [(m._m, i) for i, m in enumerate(matchers)], bitmask)
 
 
 class GrammarCompiler:

@@ -54,16 +54,22 @@ class RemoteClient:
     # ---- what the server serves ---------------------------------------------------------------------------------
     @property
     def embedding_space(self) -> EmbeddingSpace:
-        """From GET /v1/models: the generation model first, then the embedding models (an adapter by its name)."""
+        """From GET /v1/models: the generation model first, then the adapters (cards with a `parent`, by name, with
+        their `kinds`) and the separate embedding model, if any."""
         if self._space is None:
-            ids = [m.id for m in self.sync_client.models.list()]
-            if not ids:
+            cards = list(self.sync_client.models.list())
+            if not cards:
                 raise RuntimeError(f"{self.name} serves no model")
-            generation, embedding = ids[0], ids[1:]
-            encoder = embedding[0] if embedding and embedding[0] != generation else None
-            adapters = [name for name in embedding if name not in (generation, encoder)]
+            generation = cards[0].id
+            extra = {c.id: (getattr(c, "kinds", None), getattr(c, "parent", None)) for c in cards}
+            adapters = [c.id for c in cards[1:] if extra[c.id][1]]
+            encoder = next((c.id for c in cards[1:] if c.id not in adapters), None)
+            kinds = {}
+            for name in adapters:
+                can = set(extra[name][0] or ["embed"])
+                kinds[name] = "both" if can == {"generate", "embed"} else next(iter(can))
             self._space = EmbeddingSpace(generation, encoder, tuple(adapters),
-                                         {a: i for i, a in enumerate(adapters, start=1)})
+                                         {a: i for i, a in enumerate(adapters, start=1)}, adapter_kinds=kinds)
         return self._space
 
     @property
@@ -78,7 +84,9 @@ class RemoteClient:
         p = params or SamplingParams()
         if not isinstance(prompt, str):
             prompt = list(prompt)
-        args = {"model": self.embedding_space.model, "prompt": prompt, "max_tokens": p.max_tokens,
+        if p.adapter is not None:
+            self.embedding_space.generation_slot(p.adapter)  # NOTE: an unknown adapter fails here, named
+        args = {"model": p.adapter or self.embedding_space.model, "prompt": prompt, "max_tokens": p.max_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "stop": list(p.stop) or None}
         if p.seed is not None:
             args["seed"] = p.seed

@@ -7,8 +7,9 @@ computing after them. Freed blocks keep their content and name until a new alloc
 no name are reused first, then named ones least recently freed first (vLLM's policy). RAG prompts share long
 prefixes (instructions, few-shot demonstrations), so this skips most of their prompt work.
 
-Only generation requests take part: an embedding's rows may run through a LoRA adapter (other KV), and its
-final chunk writes no KV at all. At least the prompt's last token is always computed (its logits are needed).
+Only generation requests take part: an embedding's final chunk writes no KV at all. A generation under a LoRA
+adapter computes other K and V for the same tokens, so its chain starts from the adapter's slot: its blocks are
+found only by requests under the same adapter, never by the base model's or another adapter's. At least the prompt's last token is always computed (its logits are needed).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class PrefixCachingBlockManager(BlockManager):
     def block_names(self, req: Request) -> list[bytes]:
         """Names of the full blocks of `req`'s prompt (computed once per request)."""
         if req.block_names is None:
-            names, parent, bs = [], b"", self.block_size
+            names, parent, bs = [], b"adapter:%d" % req.adapter_slot if req.adapter_slot else b"", self.block_size
             for start in range(0, req.num_prompt_tokens - bs + 1, bs):
                 parent = hashlib.sha256(parent + array("q", req.prompt_token_ids[start:start + bs]).tobytes()).digest()
                 names.append(parent)

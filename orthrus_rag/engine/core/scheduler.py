@@ -46,11 +46,15 @@ class SchedulerOutput:
 
     def shape(self) -> StepShape:
         """The step's work, for the cost model (call before the step's tokens count as computed)."""
-        tokens = pairs = 0
+        tokens = pairs = adapter_rows = 0
+        adapters = set()
         for s in self.scheduled:
             tokens += s.num_new_tokens
             pairs += s.num_new_tokens * (s.req.num_computed_tokens + s.num_new_tokens)
-        return StepShape(tokens, pairs, sum(r.num_tokens for r in self.encoder))
+            if s.req.adapter_slot:
+                adapter_rows += s.num_new_tokens
+                adapters.add(s.req.adapter_slot)
+        return StepShape(tokens, pairs, sum(r.num_tokens for r in self.encoder), adapter_rows, len(adapters))
 
 
 @dataclass

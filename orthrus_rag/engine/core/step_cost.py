@@ -5,8 +5,9 @@ step pays a fixed part (reading every weight once, per-layer launches; on an H20
 is all fixed part) and a part per token (GEMM work) and per attended key. The scheduler asks this model how many
 prompt and embedding tokens fit beside a step's decodes before the step outgrows its time target.
 
-The model is linear in four features (1, decoder tokens, attention pairs Σ new x keys in thousands, encoder
-tokens), fitted by recursive least squares with forgetting, so it follows the machine it runs on: first from a
+The model is linear in six features (1, decoder tokens, attention pairs Σ new x keys in thousands, encoder
+tokens, rows under a LoRA adapter, distinct adapters in the step: each adapter adds small products to every
+targeted layer), fitted by recursive least squares with forgetting, so it follows the machine it runs on: first from a
 few timed steps at start-up (engine/calibration.py), then from every measured step.
 """
 
@@ -25,9 +26,12 @@ class StepShape:
     num_tokens: int  # decoder rows
     attention_pairs: int  # Σ over sequences of new tokens x keys
     num_encoder_tokens: int = 0
+    num_adapter_rows: int = 0
+    num_adapters: int = 0
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.num_tokens, self.attention_pairs / 1000.0, self.num_encoder_tokens])
+        return np.array([1.0, self.num_tokens, self.attention_pairs / 1000.0, self.num_encoder_tokens,
+                         self.num_adapter_rows, self.num_adapters])
 
 
 class StepCostModel:
@@ -35,8 +39,8 @@ class StepCostModel:
 
     def __init__(self, forget: float = 0.995) -> None:
         # NOTE: a weak prior (20 ms + 1 ms per token, a 2-core CPU's order of magnitude) until steps are measured
-        self.theta = np.array([0.02, 1e-3, 1e-4, 2.5e-4])
-        self.cov = np.diag([1.0, 1e-4, 1e-4, 1e-4])
+        self.theta = np.array([0.02, 1e-3, 1e-4, 2.5e-4, 1e-5, 1e-3])
+        self.cov = np.diag([1.0, 1e-4, 1e-4, 1e-4, 1e-6, 1e-3])
         self.forget = forget
         self.num_observed = 0
 
@@ -74,5 +78,6 @@ class StepCostModel:
     def describe(self) -> str:
         t = self.theta
         return (f"{t[0] * 1e3:.1f} ms + {t[1] * 1e3:.3f} ms/token + {t[2] * 1e3:.4f} ms/1k pairs + "
-                f"{t[3] * 1e3:.3f} ms/encoder token ({self.num_observed} steps)")
+                f"{t[3] * 1e3:.3f} ms/encoder token + {t[4] * 1e3:.4f} ms/adapter row + {t[5] * 1e3:.2f} ms/adapter "
+                f"({self.num_observed} steps)")
 

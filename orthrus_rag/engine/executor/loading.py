@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
-from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
+from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
 from orthrus_rag.machine import machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
@@ -29,6 +29,7 @@ class LoadedModels:
     model: torch.nn.Module
     tokenizer: Any
     adapter_slots: dict[str, int] = field(default_factory=dict)
+    adapter_kinds: dict[str, str] = field(default_factory=dict)  # name -> "generate" | "embed" | "both"
     encoder: torch.nn.Module | None = None
     encoder_tokenizer: Any = None
     encoder_pooling: dict = field(default_factory=dict)
@@ -44,8 +45,15 @@ def load_models(config: EngineConfig) -> LoadedModels:
     model = load_decoder(path, mc.torch_dtype, mc.device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     slots: dict[str, int] = {}
-    if mc.embedding_adapters:
-        slots = attach_adapters(model, [load_peft_adapter(p) for p in mc.embedding_adapters])
+    # the embedding adapters (named by their folders; the first is the default embedding), then the named ones
+    loaded = [load_peft_adapter(p) for p in mc.embedding_adapters]
+    kinds = {a.name: "embed" for a in loaded}
+    for name, adapter_path in mc.adapters.items():
+        loaded.append(load_peft_adapter(adapter_path, name))
+        kinds[name] = mc.adapter_kind(name)
+    if loaded:
+        slots = attach_adapters(model, loaded)
+        set_lora_kernel(model, mc.lora_kernel)
     encoder = encoder_tokenizer = None
     encoder_pooling: dict = {}
     if mc.embedding_model is not None:
@@ -62,7 +70,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:
             pack_linears(encoder)
-    return LoadedModels(model, tokenizer, slots, encoder, encoder_tokenizer, encoder_pooling)
+    return LoadedModels(model, tokenizer, slots, kinds, encoder, encoder_tokenizer, encoder_pooling)
 
 
 def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device: str) -> bool:

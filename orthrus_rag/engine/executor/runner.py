@@ -20,9 +20,10 @@ from orthrus_rag.engine.executor.step_timer import run_timed
 from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, select_backend
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
+from orthrus_rag.layers.lora import flat_lora_rows
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
 from orthrus_rag.layers.sampler import Sampler, token_logprobs
-from orthrus_rag.structured.bitmask import advance, constrain
+from orthrus_rag.structured.bitmask import MaskFiller, advance, constrain
 from orthrus_rag.outputs import TokenLogprob
 from orthrus_rag.models.llama import CausalLM
 
@@ -40,6 +41,9 @@ class RunnerOutput:
     num_encoder_rows: int = 0
     num_sampled_rows: int = 0
     num_constrained_rows: int = 0  # sampled rows a grammar masked (structured outputs)
+    num_adapter_generate_rows: int = 0  # generation rows under a LoRA adapter
+    num_adapter_embed_rows: int = 0  # embedding rows under a LoRA adapter
+    num_adapters: int = 0  # distinct adapters with rows in the forward
     seconds: float | None = None  # the step's time on the device (engine/step_timer.py): what the cost model fits
 
 
@@ -50,6 +54,8 @@ class ModelRunner:
                  cpu_decode_kernel: bool = False, eos_token_id: int | None = None) -> None:
         self.model = model
         self.eos_token_id = eos_token_id  # what a constrained row whose grammar allows nothing is left with
+        self.vocab_size = int(model.lm_head.weight.shape[0])  # the logits' width (the grammar masks')
+        self.masks = MaskFiller()
         self.encoder = encoder
         self.block_size = block_size
         self.device = device
@@ -119,7 +125,7 @@ class ModelRunner:
         meta = build_metadata(query_lens, context_lens, tables, keeps, self.block_size, self.num_slots, self.device)
         meta.decode_kernel = self.decode_kernel
         lora = [(slot, torch.tensor([r for rng in ranges for r in rng], dtype=torch.long, device=self.device))
-                for slot, ranges in lora_rows.items()]
+                for slot, ranges in sorted(lora_rows.items())]
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta, lora
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, lora: list) -> torch.Tensor:
@@ -128,7 +134,8 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.eligible(meta, bool(lora)):
             return self.decode_graphs.run(input_ids, meta)
         meta.plan = self.attn_backend.plan(meta, self.windows)
-        ctx = ForwardContext(attn=meta, attn_backend=self.attn_backend, kv_caches=self.kv_caches, lora_rows=lora)
+        ctx = ForwardContext(attn=meta, attn_backend=self.attn_backend, kv_caches=self.kv_caches, lora_rows=lora,
+                             lora_flat=flat_lora_rows(lora) if len(lora) > 1 else None)
         with forward_context(ctx):
             return self.model(input_ids, meta.positions)
 
@@ -148,30 +155,39 @@ class ModelRunner:
     def _run_decoder(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         input_ids, meta, lora = self._prepare(sched)
         positions = meta.positions
+        # generation rows: the last row of every request whose known tokens are all computed after this step
+        sample_rows, sample_reqs = [], []
+        start = 0
+        for s in sched.scheduled:
+            req, n = s.req, s.num_new_tokens
+            if not req.is_embed and req.num_computed_tokens + n == req.num_tokens:
+                sample_rows.append(start + n - 1)
+                sample_reqs.append(req)
+            start += n
+        grammars = [r.grammar for r in sample_reqs]
+        masks = self.masks.start(grammars, self.vocab_size)  # NOTE: filled while the forward runs
         hidden = self._forward(input_ids, meta, lora)
         out.num_decoder_forwards += 1
-        # generation rows: the last row of every request whose known tokens are now all computed
-        sample_rows, sample_reqs = [], []
+        out.num_adapters = len(lora)
         start = 0
         for s in sched.scheduled:
             req, n = s.req, s.num_new_tokens
             if req.is_embed:
                 out.num_embed_rows += n
+                out.num_adapter_embed_rows += n if req.adapter_slot else 0
                 self._pool(req, hidden[start:start + n], positions[start:start + n], n, out)
             else:
                 out.num_generate_rows += n
-                if req.num_computed_tokens + n == req.num_tokens:
-                    sample_rows.append(start + n - 1)
-                    sample_reqs.append(req)
+                out.num_adapter_generate_rows += n if req.adapter_slot else 0
             start += n
         if sample_reqs:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            grammars = [r.grammar for r in sample_reqs]
             out.num_sampled_rows = len(grammars)
             out.num_constrained_rows = sum(g is not None for g in grammars)
             keep_raw = any(r.grammar is not None and r.sampling_params.logprobs is not None for r in sample_reqs)
-            allowed = constrain(logits, grammars, self.eos_token_id, keep_raw)
+            allowed = constrain(logits, grammars, self.eos_token_id, keep_raw,
+                                masks.result() if masks is not None else None)
             sampled = self.sampler(allowed, [r.sampling_params for r in sample_reqs], [r.rng for r in sample_reqs])
             tokens = sampled.tolist()
             advance(grammars, tokens)

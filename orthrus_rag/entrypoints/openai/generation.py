@@ -46,12 +46,12 @@ def chat_prompt(service: OpenAIService, req: ChatCompletionRequest) -> list[int]
 
 
 async def _chat_params(service: OpenAIService, req: ChatCompletionRequest) -> list:
-    service.check_generation_model(req.model)
+    adapter = service.generation_adapter(req.model)
     _refuse_unsupported(req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured = await checked_constraint(service.tokenizer, req)
     return [service.sampling_params(req.token_limit(), req.temperature, req.top_p, req.stop_list(), req.seed, i,
-                                    logprobs, structured) for i in range(req.n)]
+                                    logprobs, structured, adapter) for i in range(req.n)]
 
 
 async def chat(service: OpenAIService, req: ChatCompletionRequest, run: Runner | None = None) -> dict[str, Any]:
@@ -64,7 +64,7 @@ async def chat(service: OpenAIService, req: ChatCompletionRequest, run: Runner |
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
                         "logprobs": logprobs, "finish_reason": _finish_reason(out)})
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": service.models.generation, "choices": choices, "usage": _usage(outs, len(prompt)),
+            "model": req.model, "choices": choices, "usage": _usage(outs, len(prompt)),
             "system_fingerprint": None}
 
 
@@ -77,7 +77,7 @@ async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> Asy
         raise bad_request("logprobs are not supported with stream=true; ask without streaming", "logprobs")
     prompt = chat_prompt(service, req)
     service.reserve(len(params))
-    rid, created, model = new_id("chatcmpl"), int(time.time()), service.models.generation
+    rid, created, model = new_id("chatcmpl"), int(time.time()), req.model
 
     def chunk(choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -103,12 +103,12 @@ async def chat_stream(service: OpenAIService, req: ChatCompletionRequest) -> Asy
 
 # ---- completions -------------------------------------------------------------------------------------------
 async def _completion_params(service: OpenAIService, req: CompletionRequest) -> tuple[list, list]:
-    service.check_generation_model(req.model)
+    adapter = service.generation_adapter(req.model)
     _refuse_unsupported(req)
     prompts = as_prompts(req.prompt)
     structured = await checked_constraint(service.tokenizer, req)
     params = [service.sampling_params(req.max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed, i,
-                                      req.logprobs, structured) for i in range(req.n)]
+                                      req.logprobs, structured, adapter) for i in range(req.n)]
     return prompts, params
 
 
@@ -132,7 +132,7 @@ async def completions(service: OpenAIService, req: CompletionRequest, run: Runne
                             "finish_reason": _finish_reason(out)})
         outs_all.extend(outs)
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": service.models.generation, "choices": choices, "usage": _usage(outs_all, prompt_tokens)}
+            "model": req.model, "choices": choices, "usage": _usage(outs_all, prompt_tokens)}
 
 
 async def completions_stream(service: OpenAIService, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
@@ -143,7 +143,7 @@ async def completions_stream(service: OpenAIService, req: CompletionRequest) -> 
     if req.logprobs is not None:
         raise bad_request("logprobs are not supported with stream=true; ask without streaming", "logprobs")
     service.reserve(len(params))
-    rid, created, model = new_id("cmpl"), int(time.time()), service.models.generation
+    rid, created, model = new_id("cmpl"), int(time.time()), req.model
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         async for i, out, delta, finals in _deltas(service, prompts[0], params):

@@ -163,6 +163,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "orthrus-rag"
+    kinds: list[str] = Field(default_factory=list)  # "generate", "embed": what requests may name it for
+    parent: str | None = None  # an adapter's base model (vLLM's field for a LoRA)
 
 
 class ModelList(BaseModel):

@@ -31,10 +31,13 @@ RETRY_AFTER_S = 1
 
 @dataclass
 class ServedModels:
-    """The names callers use: one generation model, and the embedding models (name -> pooling adapter)."""
+    """The names callers use: the base generation model and the generation adapters (name -> SamplingParams.adapter),
+    and the embedding models (name -> PoolingParams.adapter). An adapter is addressed by its name, as vLLM's
+    `--lora-modules name=path`."""
 
     generation: str
     embedding: dict[str, str | None] = field(default_factory=dict)  # name -> PoolingParams.adapter
+    generators: dict[str, str | None] = field(default_factory=dict)  # name -> SamplingParams.adapter
 
     @classmethod
     def of(cls, space: EmbeddingSpace, served_model_name: str | None = None) -> "ServedModels":
@@ -44,9 +47,19 @@ class ServedModels:
             emb[space.embedding_model] = None
         else:
             emb[gen] = None  # the backbone with its default adapter (if any)
-        for name in space.adapter_slots:  # each loaded adapter by its name
+        for name in space.embedding_adapters():  # each loaded adapter by its name
             emb.setdefault(name, name)
-        return cls(gen, emb)
+        generators: dict[str, str | None] = {gen: None}
+        for name in space.generation_adapters():
+            generators.setdefault(name, name)
+        return cls(gen, emb, generators)
+
+    def kinds(self, name: str) -> list[str]:
+        return [k for k, names in (("generate", self.generators), ("embed", self.embedding)) if name in names]
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.generation, *self.generators, *self.embedding]))
 
 
 class OpenAIService:
@@ -62,19 +75,25 @@ class OpenAIService:
 
     # ---- models -------------------------------------------------------------------------------------------
     def list_models(self) -> ModelList:
-        names = dict.fromkeys([self.models.generation, *self.models.embedding])
-        return ModelList(data=[ModelCard(id=n, created=self.created) for n in names])
+        return ModelList(data=[self._card(n) for n in self.models.names])
 
     def model_card(self, model: str) -> ModelCard:
         """`GET /v1/models/{model}`: its card, or a 404 naming the served ones."""
-        names = list(dict.fromkeys([self.models.generation, *self.models.embedding]))
-        if model not in names:
-            raise _unknown_model(model, names)
-        return ModelCard(id=model, created=self.created)
+        if model not in self.models.names:
+            raise _unknown_model(model, self.models.names)
+        return self._card(model)
 
-    def check_generation_model(self, model: str) -> None:
-        if model != self.models.generation:
-            raise _unknown_model(model, [self.models.generation])
+    def _card(self, name: str) -> ModelCard:
+        adapter = self.models.generators.get(name) or self.models.embedding.get(name)
+        return ModelCard(id=name, created=self.created, kinds=self.models.kinds(name),
+                         parent=self.space.model if adapter else None)
+
+    def generation_adapter(self, model: str) -> str | None:
+        """The adapter a completion or chat for `model` runs under (None: the base model), or a 404 naming the
+        models that generate."""
+        if model not in self.models.generators:
+            raise _unknown_model(model, list(self.models.generators))
+        return self.models.generators[model]
 
     # ---- embeddings -----------------------------------------------------------------------------------------
     async def embeddings(self, req: EmbeddingRequest, run: Callable[[Awaitable[T]], Awaitable[T]] | None = None,
@@ -105,7 +124,8 @@ class OpenAIService:
     # ---- generation -----------------------------------------------------------------------------------------
     def sampling_params(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
                         stop: list[str], seed: int | None, index: int, logprobs: int | None = None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None, adapter: str | None = None,
+                        ) -> SamplingParams:
         """OpenAI defaults: temperature 1, top_p 1; `n` samples differ by seed (seed + index when one is given);
         `logprobs`: the top tokens to report per position (None: no log-probabilities); `structured`: the output
         constraint (entrypoints/openai/structured.py)."""
@@ -114,7 +134,7 @@ class OpenAIService:
                                   temperature=1.0 if temperature is None else temperature,
                                   top_p=1.0 if top_p is None else top_p, stop=stop,
                                   seed=None if seed is None else (seed + index) % (2**63), logprobs=logprobs,
-                                  structured_outputs=structured)
+                                  structured_outputs=structured, adapter=adapter)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
