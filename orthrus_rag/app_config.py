@@ -57,6 +57,9 @@ class RetrieverConf:
     index_dir: str | None = None  # load this prebuilt index (built by `orthrus-rag index`) instead of building
     pooling: str = "mean"
     query_instruction: str | None = None
+    # the LoRA adapter documents and queries embed under (a name in model.adapters or an embedding adapter's);
+    # None: the default route (the encoder, else the first embedding adapter, else the bare backbone)
+    adapter: str | None = None
 
 
 @dataclass
@@ -71,6 +74,8 @@ class PipelineConf:
     # how the final iteration writes its answer: free | constrained ("... So the answer is X." forced by a
     # grammar) | json ({"answer": ...}); see orthrus_rag/pipelines/answer_formats.py
     answer_format: str = "free"
+    # the LoRA adapter every generation runs under (a name in model.adapters); None: the base model
+    generation_adapter: str | None = None
 
 
 @dataclass
@@ -144,6 +149,10 @@ def validate(cfg: Any) -> None:
     for adapter in cfg.model.embedding_adapters:
         if not Path(adapter).is_dir():
             raise ValueError(f"model.embedding_adapters: no such folder: {adapter}")
+    for name, adapter in cfg.model.adapters.items():
+        if not Path(adapter).is_dir():
+            raise ValueError(f"model.adapters.{name}: no such folder: {adapter}")
+    _check_adapter_names(cfg)
     for key in ("nlist", "nprobe", "hnsw_m"):
         if cfg.retriever[key] < 1:
             raise ValueError(f"retriever.{key} must be at least 1, got {cfg.retriever[key]}")
@@ -183,6 +192,22 @@ def _check_owned_values(cfg: Any) -> None:
                                               temperature=cfg.pipeline.temperature))
     _owned("retriever", lambda: PoolingParams(pooling=cfg.retriever.pooling))
     engine_config_from(cfg)
+
+
+def _check_adapter_names(cfg: Any) -> None:
+    """The adapters the pipeline and the retriever name are loaded, and of the right kind (engine/routing.py's
+    rules, on the names the engine will load)."""
+    from orthrus_rag.engine.routing import generation_slot, route_embedding
+    from orthrus_rag.params import PoolingParams
+
+    names = [Path(p).name for p in cfg.model.embedding_adapters] + list(cfg.model.adapters)
+    slots = {name: i for i, name in enumerate(names, start=1)}
+    kinds = {**{Path(p).name: "embed" for p in cfg.model.embedding_adapters},
+             **{n: cfg.model.adapter_kinds.get(n, "both") for n in cfg.model.adapters}}
+    _owned("pipeline.generation_adapter", lambda: generation_slot(cfg.pipeline.generation_adapter, slots, kinds))
+    if cfg.retriever.adapter is not None:
+        _owned("retriever.adapter", lambda: route_embedding(PoolingParams(adapter=cfg.retriever.adapter),
+                                                            cfg.model.embedding_model is not None, slots, kinds))
 
 
 def _check_serve(s: Any) -> None:

@@ -34,6 +34,9 @@ def no_models(monkeypatch):
     ("deploy.max_in_flight=0", "deploy.max_in_flight"),
     ("serve.port=70000", "serve.port"),
     ("pipeline.answer_format=yaml", "unknown answer_format 'yaml'"),
+    ("pipeline.generation_adapter=sql", "pipeline.generation_adapter: unknown adapter 'sql'"),
+    ("retriever.adapter=emb", "retriever.adapter: unknown adapter 'emb'"),
+    ("+model.adapters.sql=/nonexistent", "model.adapters.sql: no such folder"),
 ])
 def test_bad_values_fail_before_any_model_loads_and_leave_no_folder(override, named, tmp_path, no_models, capsys):
     run_dir = tmp_path / "run"

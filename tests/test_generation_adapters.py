@@ -184,3 +184,47 @@ def test_server_addresses_adapters_by_name(smol_adapters):
             client.completions.create(model="nope", prompt=prompt, max_tokens=2)
     finally:
         server.stop()
+
+
+def test_langchain_chat_names_the_adapter(smol_adapters):
+    from orthrus_rag.integrations.langchain import ChatOrthrus, LocalOrthrus
+
+    engine, _ = smol_adapters
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0, adapter="gen"))[0].text
+    local = LocalOrthrus.of(engine)
+    try:
+        got = ChatOrthrus(engine=local, model="gen", max_tokens=8, temperature=0).invoke("Name a colour.")
+        assert got.content == want and got.response_metadata["model_name"] == "gen"
+    finally:
+        local.close()
+
+
+def test_a_run_names_its_generation_and_embedding_adapters(smol_adapters, tmp_path, monkeypatch):
+    """`pipeline.generation_adapter` and `retriever.adapter` reach every request of an Iter-RetGen run."""
+    from orthrus_rag.entrypoints import commands as app
+    from tests.test_app_config import _compose
+
+    engine, _ = smol_adapters
+    path = engine.config.model.adapters["gen"]
+    seen: dict[str, set] = {"generate": set(), "embed": set()}
+    add_generate, add_embed = Engine.add_generate, Engine.add_embed
+
+    def spy_generate(self, prompt, params=None, *a, **kw):
+        seen["generate"].add(params.adapter if params else None)
+        return add_generate(self, prompt, params, *a, **kw)
+
+    def spy_embed(self, text, params=None, *a, **kw):
+        seen["embed"].add(params.adapter if params else None)
+        return add_embed(self, text, params, *a, **kw)
+
+    monkeypatch.setattr(Engine, "add_generate", spy_generate)
+    monkeypatch.setattr(Engine, "add_embed", spy_embed)
+    cfg = _compose("experiment=smoke", "dataset.num_questions=2", "pipeline.max_tokens=8", "retriever.k=2",
+                   f"+model.adapters.gen={path}", "pipeline.generation_adapter=gen", "retriever.adapter=gen",
+                   f"run_dir={tmp_path}", "progress=false")
+    summary = app.run(cfg)
+    assert summary["num_failed"] == 0
+    assert seen == {"generate": {"gen"}, "embed": {"gen"}}
+    assert summary["config"]["generation_adapter"] == "gen" and summary["config"]["retriever_adapter"] == "gen"

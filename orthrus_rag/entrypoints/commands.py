@@ -28,14 +28,16 @@ def _pooling(cfg: Any, client: Any) -> tuple[Any, Any]:
     """Document and query pooling: the encoder's own pooling, or the configured one on the backbone."""
     from orthrus_rag.params import PoolingParams
 
-    if cfg.model.embedding_model is not None:
+    adapter = cfg.retriever.adapter
+    if cfg.model.embedding_model is not None and adapter is None:
         base = dict(client.embedding_space.encoder_pooling)
     else:
         base = {"pooling": cfg.retriever.pooling, "normalize": True}
     # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does.
     # A query is what the next hop of a chain waits on: latency-critical (priority < 0) for the orthrus policy
-    return (PoolingParams(**base, truncate=True),
-            PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True, priority=-1))
+    return (PoolingParams(**base, truncate=True, adapter=adapter),
+            PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True, priority=-1,
+                          adapter=adapter))
 
 
 def build_retriever(cfg: Any, client: Any, corpus: list, index_dir: Path | None,
@@ -95,7 +97,8 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> IterRetGen
                        concurrency, client.name, admitted, admitted)
         concurrency = admitted
     return IterRetGen(client, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
-                      sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature),
+                      sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                                     adapter=p.generation_adapter),
                       chat_template=client.tokenizer if p.chat_template else None, max_concurrency=concurrency,
                       question_timeout_s=p.question_timeout_s, answer_format=p.answer_format)
 
@@ -110,7 +113,8 @@ def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:
     return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "model": cfg.model.name,
             "embedding_model": cfg.model.embedding_model, "policy": cfg.scheduler.policy, "serving": client.name,
             "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "index_type": cfg.retriever.index_type,
-            "k": cfg.retriever.k, "max_concurrency": max_concurrency, "answer_format": cfg.pipeline.answer_format}
+            "k": cfg.retriever.k, "max_concurrency": max_concurrency, "answer_format": cfg.pipeline.answer_format,
+            "generation_adapter": cfg.pipeline.generation_adapter, "retriever_adapter": cfg.retriever.adapter}
 
 
 class _Closing:

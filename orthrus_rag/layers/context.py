@@ -25,6 +25,8 @@ class ForwardContext:
     lora_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # the same rows as one list, with each row's slot: what the stacked LoRA product reads (None: build it)
     lora_flat: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the stacked product's [rows, sum r] masks, per set of adapters a module carries (built once per step)
+    lora_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
 
 _LOCAL = threading.local()  # per thread: engine loops in different threads never see each other's step

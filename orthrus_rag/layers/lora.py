@@ -136,7 +136,7 @@ class LoRALinear(nn.Linear):
             self._fused = True
         self.scalings: dict[int, float] = {}
         self.kernel = "auto"  # set_lora_kernel
-        self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple] | None = None
 
     def add_adapter(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         assert a.shape[1] == self.in_features and b.shape[0] == self.out_features  # checked by attach_adapters
@@ -146,8 +146,9 @@ class LoRALinear(nn.Linear):
         self.scalings[slot] = scaling
         self._stack = None
 
-    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(A [sum r, in], B [out, sum r], each column's slot [sum r], each column's scaling [sum r]); built once."""
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """(A [sum r, in], B [out, sum r], each column's slot [sum r], each column's scaling [sum r], a key of the
+        slots, ranks and scalings: modules with equal keys share a step's mask); built once."""
         if self._stack is None or self._stack[0].device != self.weight.device:
             slots = sorted(self.scalings)
             a = torch.cat([getattr(self, f"lora_A_{s}") for s in slots])
@@ -156,7 +157,8 @@ class LoRALinear(nn.Linear):
             col_slot = torch.repeat_interleave(torch.tensor(slots), torch.tensor(ranks)).to(a.device)
             col_scale = torch.repeat_interleave(torch.tensor([self.scalings[s] for s in slots]),
                                                 torch.tensor(ranks)).to(a.device, a.dtype)
-            self._stack = (a, b, col_slot, col_scale)
+            key = tuple((s, r, self.scalings[s]) for s, r in zip(slots, ranks)) + (str(a.dtype),)
+            self._stack = (a, b, col_slot, col_scale, key)
         return self._stack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,10 +188,13 @@ class LoRALinear(nn.Linear):
                      ) -> torch.Tensor:
         ctx = get_forward_context()
         flat = ctx.lora_flat if ctx.lora_flat is not None else flat_lora_rows(lora_rows)
-        rows, row_slot = flat[0].to(x2.device), flat[1].to(x2.device)
-        a, b, col_slot, col_scale = self._stacked()
-        # NOTE: a row of an adapter this module lacks matches no column: its mask row is zero, its update too
-        mask = (row_slot[:, None] == col_slot[None, :]).to(a.dtype) * col_scale
+        rows = flat[0].to(x2.device)
+        a, b, col_slot, col_scale, key = self._stacked()
+        mask = ctx.lora_masks.get(key)
+        if mask is None:
+            # NOTE: a row of an adapter this module lacks matches no column: its mask row is zero, its update too
+            mask = (flat[1].to(x2.device)[:, None] == col_slot[None, :]).to(a.dtype) * col_scale
+            ctx.lora_masks[key] = mask
         h = (x2.index_select(0, rows) @ a.T) * mask
         y2.index_add_(0, rows, h @ b.T)
         return y2

@@ -33,7 +33,8 @@ class _ChatGenerator:
         params = params or SamplingParams()
         transport = self.chat.transport
         body = await transport.achat({
-            "model": self.chat.model or transport.generation_model, "messages": [{"role": "user", "content": prompt}],
+            "model": params.adapter or self.chat.model or transport.generation_model,
+            "messages": [{"role": "user", "content": prompt}],
             "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             **({"seed": params.seed} if params.seed is not None else {}),
             **({"stop": list(params.stop)} if params.stop else {}),
@@ -60,10 +61,11 @@ class IterRetGenRunnable(Runnable[QuestionInput, dict[str, Any]]):
     when answers were given)."""
 
     def __init__(self, retriever: Any, chat: ChatOrthrus, iterations: int = 2, k: int = 5, max_tokens: int = 96,
-                 temperature: float = 0.0, answer_format: str = "free") -> None:
+                 temperature: float = 0.0, answer_format: str = "free", generation_adapter: str | None = None) -> None:
         dense = getattr(retriever, "retriever", retriever)
         self.pipeline = IterRetGen(_ChatGenerator(chat), dense, iterations=iterations, k=k,
-                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                  adapter=generation_adapter),
                                    answer_format=answer_format)
 
     # ---- async -------------------------------------------------------------------------------------------------
