@@ -4,7 +4,8 @@
   falls back to other rules (the default model follows the phrase in under a tenth of its final answers on 2Wiki).
 - `constrained`: the final generation is held to one line of reasoning that must end in "So the answer is
   <answer>." (a regex constraint: the end of text is refused until that sentence is written, and a reasoning
-  longer than the budget allows is cut short into it), so every answer is found by the phrase.
+  longer than the budget allows is cut short: it ends its sentence, then the phrase follows), so every answer is
+  found by the phrase.
 - `json`: the final generation is `{"answer": "..."}` and nothing else (a direct answer, no written reasoning).
 """
 
@@ -41,8 +42,9 @@ def final_constraint(answer_format: str, max_tokens: int) -> StructuredOutputsPa
     if answer_format == "json":
         return StructuredOutputsParams(json=JSON_SCHEMA)
     reasoning_chars = max(0, (max_tokens - ANSWER_TOKENS) * CHARS_PER_TOKEN)
+    # NOTE: the reasoning, if any, ends a sentence before the phrase: cut short, it closes its sentence first
     return StructuredOutputsParams(
-        regex=rf"[^\n]{{0,{reasoning_chars}}}{ANSWER_PHRASE} [^\n]{{1,{MAX_ANSWER_CHARS}}}\.")
+        regex=rf"(?:[^\n]{{0,{reasoning_chars}}}[.!?] )?{ANSWER_PHRASE} [^\n]{{1,{MAX_ANSWER_CHARS}}}\.")
 
 
 def parse_final(generation: str, answer_format: str, question: str | None = None) -> ParsedAnswer:

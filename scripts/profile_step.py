@@ -7,6 +7,7 @@ prompt tokens as the policy and budget let ride.
 
     python scripts/profile_step.py --threads 1 --decodes 16 --embeds 32 --steps 8
     python scripts/profile_step.py --decodes 32 --prompt-len 1000 --steps 8        # long-context decode
+    python scripts/profile_step.py --threads 1 --decodes 32 --embeds 0 --adapters 4 --option lora_kernel=per_slot
 
 Prints the step times, the top ops, the time spent inside torch ops per step (what is not there ran in Python
 or in the C++ decode kernel, which the profiler does not see), and the share of that time in GEMMs with the
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prefills", type=int, default=0)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--adapters", type=int, default=0,
+                    help="random rank-8 LoRA adapters on all 7 projections; the decodes are spread over them")
     ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=parse_option,
                     help="an engine option, e.g. cpu_decode_kernel=false; repeatable")
     args = ap.parse_args(argv)
@@ -61,11 +64,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # step preempts; the default 1 GiB holds ~23k SmolLM2 tokens, fewer than 32 prompts of 1,000
     seqs = args.decodes + args.prefills
     options.setdefault("num_blocks", max(1024, -(-seqs * (args.prompt_len + 2 * args.budget) // 16)))
+    names = _make_adapters(args.model, args.adapters)
+    if names:
+        options["adapters"] = names
     engine = Engine.from_pretrained(args.model, policy=args.policy, max_num_batched_tokens=args.budget,
                                     max_chunk_tokens=args.budget, enable_prefix_caching=False, **options)
-    long = SamplingParams(max_tokens=1_000, temperature=0.0, ignore_eos=True)  # outlives the profile
     for i in range(args.decodes):
-        engine.add_generate(_ids(args.prompt_len, i), long)
+        # outlives the profile
+        adapter = list(names)[i % len(names)] if names else None
+        engine.add_generate(_ids(args.prompt_len, i), SamplingParams(max_tokens=1_000, temperature=0.0,
+                                                                     ignore_eos=True, adapter=adapter))
+    long = SamplingParams(max_tokens=1_000, temperature=0.0, ignore_eos=True)
     sched = engine.scheduler
     for _ in range(10_000):  # bounded: prefill every prompt, so that the profiled steps start decoding
         if all(r.is_decoding for r in sched.running) and not sched.waiting:
@@ -109,6 +118,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(json.dumps(result))
     engine.shutdown()
     return result
+
+
+def _make_adapters(model: str, count: int) -> dict[str, str]:
+    """`count` random adapters in a temporary folder: {name: path}."""
+    if not count:
+        return {}
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from orthrus_rag.models.registry import resolve_model_path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts.make_lora_adapter import make_adapter
+
+    tmp = Path(tempfile.mkdtemp(prefix="orthrus-profile-lora-"))
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model)), dtype=torch.float32)
+    names = {}
+    for i in range(count):
+        make_adapter(hf, str(tmp / f"a{i}"), init="random", seed=i,
+                     targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        names[f"a{i}"] = str(tmp / f"a{i}")
+    return names
 
 
 if __name__ == "__main__":

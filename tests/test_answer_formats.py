@@ -22,6 +22,7 @@ def test_constraints_per_format():
     assert pattern.fullmatch("So the answer is St. Louis, Missouri.")
     assert not pattern.fullmatch("X was born in 1900.")  # the end is refused until the sentence is written
     assert not pattern.fullmatch("X.\nSo the answer is Paris.")  # one line: no invented next demonstration
+    assert not pattern.fullmatch("X was born in 196So the answer is A.")  # the reasoning ends its sentence first
     assert not pattern.fullmatch("x" * ((96 - ANSWER_TOKENS) * CHARS_PER_TOKEN + 1) + " So the answer is A.")
     assert final_constraint("json", 96).json["required"] == ["answer"]
     with pytest.raises(ValueError, match="unknown answer_format 'xml'; expected one of free, constrained, json"):

@@ -129,7 +129,7 @@ class Engine:
         """The compiler of this model's constrained requests; `prepare(spec)` from a worker thread compiles a
         constraint before its request is submitted, so `add_generate` only copies a cached matcher."""
         if self._grammars is None:
-            self._grammars = compiler_for(self.tokenizer, self.runner.model.config.vocab_size, self.eos_token_ids)
+            self._grammars = compiler_for(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def _matcher(self, params: SamplingParams, tokens: Sequence[int] = ()) -> Any:
