@@ -120,3 +120,19 @@ def served():
     yield SimpleNamespace(engine=engine, aengine=aengine, server=server, url=server.url, reference=reference,
                           model=SMOL, embedding_model=MINILM)
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def local(served):
+    """A second engine on the served engine's weights (the server is idle meanwhile), behind one LocalOrthrus: the
+    in-process LangChain components of a module share it."""
+    from orthrus_rag import Engine
+    from orthrus_rag.integrations.langchain import LocalOrthrus
+
+    src = served.engine
+    engine = Engine(src.config, src.runner.model, src.tokenizer, encoder=src.runner.encoder,
+                    encoder_tokenizer=src.inputs.encoder_tokenizer, encoder_pooling=src.encoder_pooling)
+    shared = LocalOrthrus.of(engine)
+    yield shared
+    shared.close()
+    assert not engine.scheduler.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -12,7 +12,6 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
-from orthrus_rag import Engine
 from orthrus_rag.integrations.langchain import (ChatOrthrus, IterRetGenRunnable, LocalOrthrus, OrthrusEmbeddings,
                                                 OrthrusRetriever)
 from tests.conftest import MINILM, SERVED_REFERENCE_TEXTS
@@ -27,17 +26,8 @@ TEXTS = ["Jane Austen wrote the novel Pride and Prejudice, published in 1813.",
 QUESTIONS = ["Who wrote Pride and Prejudice?", "Which is the highest mountain?", "Where does the Nile flow?"]
 
 
-@pytest.fixture(scope="module")
-def local(served):
-    """A second engine on the served engine's weights (the server is idle meanwhile), behind one LocalOrthrus."""
-    src = served.engine
-    engine = Engine(src.config, src.runner.model, src.tokenizer, encoder=src.runner.encoder,
-                    encoder_tokenizer=src.inputs.encoder_tokenizer, encoder_pooling=src.encoder_pooling)
-    shared = LocalOrthrus.of(engine)
-    assert LocalOrthrus.of(engine) is shared  # every component on this engine shares one loop
-    yield shared
-    shared.close()
-    assert not engine.scheduler.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+def test_every_component_on_an_engine_shares_one_loop(local):
+    assert LocalOrthrus.of(local.client.engine) is local
 
 
 @pytest.fixture(scope="module")

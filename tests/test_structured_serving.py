@@ -11,8 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from orthrus_rag import Engine
-from orthrus_rag.integrations.langchain import ChatOrthrus, LocalOrthrus
+from orthrus_rag.integrations.langchain import ChatOrthrus
 
 pytestmark = pytest.mark.slow  # the session's server (SmolLM2 + MiniLM)
 
@@ -104,16 +103,6 @@ def test_bad_constraints_are_400s_naming_the_field(client, served):
 
 
 # ---- LangChain --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def local(served):
-    src = served.engine
-    engine = Engine(src.config, src.runner.model, src.tokenizer, encoder=src.runner.encoder,
-                    encoder_tokenizer=src.inputs.encoder_tokenizer, encoder_pooling=src.encoder_pooling)
-    shared = LocalOrthrus.of(engine)
-    yield shared
-    shared.close()
-
-
 @pytest.mark.parametrize("where", ["in_process", "http"])
 def test_with_structured_output(where, local, served):
     chat = (ChatOrthrus(engine=local, max_tokens=96, temperature=0) if where == "in_process"
