@@ -22,7 +22,8 @@ from orthrus_rag.retrievers.faiss_index import INDEX_TYPES
 logger = logging.getLogger(__name__)
 # NOTE: the names come from the modules that implement them, so a new dataset/index/pipeline needs no edit here
 DATASETS = tuple(_DATASET_SPECS)
-SERVINGS = ("engine", *DEPLOYMENTS)  # one co-scheduled engine, or a two-process deployment of it
+# one co-scheduled engine, a two-process deployment of it, or engine replicas on Ray Serve (entrypoints/ray/)
+SERVINGS = ("engine", *DEPLOYMENTS, "ray")
 ENGINE_NODES = ("model", "cache", "scheduler")  # AppConf nodes that are EngineConfig's parts, by the same name
 
 
@@ -41,10 +42,17 @@ class DatasetConf:
 class DeployConf:
     """How the engine runs: one in-process engine, or a two-process deployment of it (the baselines)."""
 
-    mode: str = "engine"  # engine: one co-scheduled engine; dedicated / disagg-pd: two worker processes
+    mode: str = "engine"  # engine: one co-scheduled engine; dedicated / disagg-pd: two worker processes; ray
     threads: list[int] | None = None  # torch threads per worker of a deployment (default 1 each)
-    num_threads: int | None = None  # the one in-process engine's torch threads; None: torch's default
+    num_threads: int | None = None  # the one in-process engine's torch threads (ray: each replica's); None: default
     max_in_flight: int = 8192  # requests the async engine admits at once (more: EngineQueueFull / HTTP 429)
+    # ray: engine replicas behind one endpoint; each reserves `num_threads` CPUs (default 1)
+    replicas: int = 1
+    min_replicas: int | None = None  # both set: Ray Serve autoscales between them, by `target_ongoing_requests`
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 32.0
+    ray_address: str | None = None  # join this cluster ("auto", "ray://host:10001"); None: start a local Ray
+    ray_num_cpus: int | None = None  # the local Ray's CPUs; None: the machine's
 
 
 @dataclass
@@ -168,8 +176,14 @@ def _check_deploy(d: Any) -> None:
     if d.mode == "engine" and d.threads is not None:
         raise ValueError("deploy.threads sets a deployment's workers (deploy=dedicated or disagg_pd); "
                          "one engine takes deploy.num_threads")
-    if d.mode != "engine" and d.num_threads is not None:
+    if d.mode not in ("engine", "ray") and d.num_threads is not None:
         raise ValueError(f"deploy.num_threads sets one engine; the {d.mode} workers take deploy.threads")
+    if d.replicas < 1:
+        raise ValueError(f"deploy.replicas must be at least 1, got {d.replicas}")
+    if (d.min_replicas is None) != (d.max_replicas is None):
+        raise ValueError("deploy.min_replicas and deploy.max_replicas go together (autoscaling between them)")
+    if d.min_replicas is not None and not 0 <= d.min_replicas <= d.max_replicas:
+        raise ValueError(f"deploy.min_replicas must be in [0, max_replicas], got {d.min_replicas} and {d.max_replicas}")
     if d.max_in_flight < 1:
         raise ValueError(f"deploy.max_in_flight must be at least 1, got {d.max_in_flight}")
 
@@ -224,6 +238,23 @@ def build_engine(cfg: Any):  # -> Engine
     return Engine.from_config(engine_config_from(cfg))
 
 
+def ray_application(cfg: Any, api_key: str | None = None) -> Any:
+    """The Ray Serve application `deploy=ray` runs: `deploy.replicas` engine replicas (or autoscaled ones) of the
+    configured engine, `deploy.num_threads` threads (and CPUs) each, behind the OpenAI ingress."""
+    from dataclasses import replace
+
+    from orthrus_rag.entrypoints.ray.app import build_application
+
+    d, s = cfg.deploy, cfg.serve
+    threads = d.num_threads or 1
+    autoscaling = None if d.min_replicas is None else {
+        "min_replicas": d.min_replicas, "max_replicas": d.max_replicas, "initial_replicas": d.replicas,
+        "target_ongoing_requests": d.target_ongoing_requests}
+    engine_config = replace(engine_config_from(cfg), num_threads=threads)
+    return build_application(engine_config, d.replicas, threads, d.max_in_flight, s.served_model_name, api_key,
+                             s.default_max_tokens, autoscaling)
+
+
 def build_client(cfg: Any):  # -> EngineClient
     """The `EngineClient` that `run`, `index` and `serve` go through. `deploy.mode`: `engine` (one co-scheduled
     engine, an `AsyncEngine`) or a two-process deployment of it."""
@@ -232,6 +263,11 @@ def build_client(cfg: Any):  # -> EngineClient
 
     if cfg.deploy.mode == "engine":
         return AsyncEngine(build_engine(cfg), max_in_flight=cfg.deploy.max_in_flight)
+    if cfg.deploy.mode == "ray":
+        from orthrus_rag.entrypoints.ray.app import ray_client
+
+        return ray_client(ray_application(cfg), cfg.deploy.ray_address, cfg.deploy.ray_num_cpus,
+                          cfg.deploy.max_in_flight)
     threads = tuple(cfg.deploy.threads) if cfg.deploy.threads else (1, 1)
     logger.info("starting the %s deployment (threads %s)", cfg.deploy.mode, threads)
     return start_deployment(cfg.deploy.mode, engine_config_from(cfg), threads)

@@ -112,11 +112,14 @@ async def _client(i: int, http: httpx.AsyncClient, args: argparse.Namespace, dea
 
 
 def _metrics(text: str) -> dict[str, float]:
-    out = {}
+    """Samples by name; a metric labelled per replica (a Ray Serve deployment) is the sum over its replicas."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
-            out[name] = float(value)
+            if 'replica="' in name:
+                name = name.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -153,7 +156,7 @@ async def _run(args: argparse.Namespace, base: str) -> dict:
         "kv_blocks_used_after": m["orthrus_kv_blocks_used"], "kv_blocks_total": m["orthrus_kv_blocks_total"],
         "pending_after": m["orthrus_num_requests_pending"],
         "engine_steps": m["orthrus_steps_total"], "mixed_steps": m["orthrus_mixed_steps_total"],
-        "mixed_step_share": round(m["orthrus_mixed_step_share"], 3),
+        "mixed_step_share": round(m["orthrus_mixed_steps_total"] / max(m["orthrus_steps_total"], 1), 3),
         "embed_inputs_per_s": round(tally.inputs_embedded / wall, 2),
         "chat_requests_per_s": round(tally.ok["chat"] / wall, 3),
         "generated_tokens_per_s": round(tally.tokens_generated / wall, 1),

@@ -45,6 +45,11 @@ class EngineShutdown(RuntimeError):
     """The AsyncEngine was shut down before the request finished."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The replica serving the request failed (a scale-out deployment, entrypoints/ray/); retry: another replica
+    takes it."""
+
+
 class _Snapshots:
     """A stream's pending items. Unread snapshots are cumulative, so a newer one replaces an unread older one:
     a slow consumer holds O(1) snapshots, not one per token."""

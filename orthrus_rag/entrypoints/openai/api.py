@@ -56,13 +56,20 @@ def build_app(client: EngineClient, served_model_name: str | None = None, api_ke
 
 
 def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1: list) -> None:
+    # NOTE: a client over replicas in other processes (entrypoints/ray/) adds theirs: `health()` reports replicas up
+    # and expected, `metrics_text(own)` merges every replica's figures into the server's own
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        report = getattr(service.client, "health", None)
+        return {"status": "ok", **(await report() if report is not None else {})}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = metrics.render()
+        merge = getattr(service.client, "metrics_text", None)
+        if merge is not None:
+            text = (await merge(text.decode())).encode()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", dependencies=v1, response_model=ModelList)
     async def models() -> ModelList:

@@ -30,14 +30,39 @@ def serve(cfg: Any) -> None:
 
     validate(cfg)
     s = cfg.serve
-    if cfg.deploy.mode != "engine":
-        raise ValueError(f"serve runs one co-scheduled engine; deploy.mode={cfg.deploy.mode!r} is a "
-                         "benchmark baseline")
+    if cfg.deploy.mode not in ("engine", "ray"):
+        raise ValueError(f"serve runs one co-scheduled engine (deploy=engine) or its replicas on Ray Serve "
+                         f"(deploy=ray); deploy.mode={cfg.deploy.mode!r} is a benchmark baseline")
     if s.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: reachable from other machines%s", s.host,
                        "" if resolve_api_key(s.api_key) else " without an API key")
+    if cfg.deploy.mode == "ray":
+        _serve_on_ray(cfg)
+        return
     app = build_app(build_client(cfg), s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens)
     uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level)
+
+
+def _serve_on_ray(cfg: Any) -> None:
+    """`orthrus-rag serve deploy=ray`: deploy the replicas and the ingress, then wait until interrupted."""
+    import time
+
+    from ray import serve as ray_serve
+
+    from orthrus_rag.app_config import ray_application
+    from orthrus_rag.entrypoints.ray.app import start, stop
+
+    s, d = cfg.serve, cfg.deploy
+    url = start(ray_application(cfg, resolve_api_key(s.api_key)), s.host, s.port, d.ray_address, d.ray_num_cpus)
+    logger.info("serving %d engine replica(s) on Ray Serve at %s", d.replicas, url)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
+        ray_serve.shutdown()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from orthrus_rag.engine.async_engine import EngineQueueFull, EngineShutdown, RequestAborted
+from orthrus_rag.engine.async_engine import EngineQueueFull, EngineShutdown, EngineUnavailable, RequestAborted
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import GenerationOutput
@@ -208,7 +208,8 @@ class OpenAIService:
         failures to OpenAIError."""
         try:
             return await (run(coro) if run is not None else coro)
-        except (ValueError, TypeError, EngineQueueFull, EngineShutdown, RequestAborted, RuntimeError) as exc:
+        except (ValueError, TypeError, EngineQueueFull, EngineShutdown, EngineUnavailable, RequestAborted,
+                RuntimeError) as exc:
             raise self._map_error(exc) from None
 
     def _map_error(self, exc: BaseException) -> BaseException:
@@ -218,6 +219,9 @@ class OpenAIService:
             return bad_request(str(exc))
         if isinstance(exc, EngineQueueFull):
             return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        if isinstance(exc, EngineUnavailable):
+            return OpenAIError(503, str(exc), "server_error", code="replica_unavailable",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
         if isinstance(exc, EngineShutdown):
             return OpenAIError(503, str(exc), "server_error", code="shutting_down")

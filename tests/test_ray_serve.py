@@ -1,0 +1,166 @@
+"""Engine replicas on Ray Serve: a local Ray (2 CPUs), two replicas of one thread each behind the OpenAI ingress;
+mixed chat (streamed too) and embedding traffic through the official client, both replicas carrying requests,
+greedy answers equal to the single-process server's; and `orthrus-rag run deploy=ray` through deployment handles
+with the local run's scores."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+
+from orthrus_rag.params import PoolingParams, SamplingParams
+from tests.conftest import MINILM, SMOL, engine_overrides
+
+pytestmark = pytest.mark.slow  # starts Ray and two engines
+
+PROMPTS = ["Name a colour.", "Who wrote Hamlet?", "Count to three.", "What is the capital of Italy?"]
+
+
+@pytest.fixture(scope="module")
+def ray_serve():
+    import ray
+    from ray import serve
+
+    from orthrus_rag.engine.options import engine_config
+    from orthrus_rag.entrypoints.openai.server import free_port
+    from orthrus_rag.entrypoints.ray.app import APP_NAME, REPLICA, build_application, start
+
+    config = engine_config(SMOL, embedding_model=MINILM, num_threads=1, **engine_overrides())
+    app = build_application(config, replicas=2, cpus_per_replica=1, max_in_flight=64, default_max_tokens=8)
+    url = start(app, port=free_port(), num_cpus=2)
+    handle = serve.get_deployment_handle(REPLICA, app_name=APP_NAME)
+    yield url, handle
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _chat(client: openai.OpenAI, prompt: str, stream: bool = False) -> str:
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        return client.chat.completions.create(model=SMOL, messages=messages, max_tokens=8,
+                                              temperature=0).choices[0].message.content
+    chunks = client.chat.completions.create(model=SMOL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_mixed_traffic_through_one_endpoint_equals_the_single_process_server(ray_serve, served):
+    url, _ = ray_serve
+    ours = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    single = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=120)
+    assert {m.id for m in ours.models.list()} == {m.id for m in single.models.list()}
+    texts = [f"passage {i} about topic {i % 3}" for i in range(12)]
+    with ThreadPoolExecutor(8) as pool:  # chat, streamed chat and embeddings in flight together
+        chats = [pool.submit(_chat, ours, p) for p in PROMPTS]
+        streams = [pool.submit(_chat, ours, p, True) for p in PROMPTS]
+        embeds = [pool.submit(ours.embeddings.create, model=MINILM, input=texts[i::3]) for i in range(3)]
+        got_chat, got_stream = [f.result() for f in chats], [f.result() for f in streams]
+        got_embed = [f.result() for f in embeds]
+    want = [_chat(single, p) for p in PROMPTS]
+    assert got_chat == want and got_stream == want
+    want_embed = single.embeddings.create(model=MINILM, input=texts[0::3])
+    np.testing.assert_allclose([d.embedding for d in got_embed[0].data], [d.embedding for d in want_embed.data],
+                               atol=1e-5)
+
+
+def test_health_and_metrics_cover_every_replica(ray_serve):
+    import time
+
+    import httpx
+
+    url, _ = ray_serve
+    base = url.removesuffix("/v1")
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"{base}/health", timeout=10).json())["replicas_up"] < 2:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.5)
+    assert health == {"status": "ok", "replicas_up": 2, "replicas_expected": 2, "degraded": False}
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    labelled = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("orthrus_kv_blocks_total{")}
+    assert len(labelled) == 2  # each replica's KV figures, labelled by replica
+    assert text.count("# TYPE orthrus_kv_blocks_total gauge") == 1  # one family, several replicas
+    assert any(line.startswith("orthrus_requests_total{") and 'replica="' not in line for line in text.splitlines())
+
+
+def test_both_replicas_carry_requests(ray_serve):
+    _, handle = ray_serve
+
+    async def many():
+        gens = [handle.generate.remote(f"Count to {i}.", SamplingParams(max_tokens=8, temperature=0))
+                for i in range(12)]
+        embs = [handle.embed.remote(f"text {i}", PoolingParams()) for i in range(12)]
+        return await asyncio.gather(*gens, *embs)
+
+    outs = asyncio.run(many())
+    replicas = {o.request_id.split("/")[0] for o in outs}
+    assert len(replicas) == 2, f"every request went to {replicas}"
+
+
+def test_a_killed_replica_fails_nothing_silently(ray_serve):
+    """One replica's actor killed mid-load: every request answers or gets a retryable 503 within a bounded time
+    (a call that had not streamed is sent again to the other replica), Ray brings the replica back, and neither
+    replica holds a KV block afterwards."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from orthrus_rag.entrypoints.ray.app import APP_NAME, REPLICA
+
+    url, handle = ray_serve
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=90)
+
+    def one(i: int) -> str:
+        try:
+            client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": f"Tell a story {i}."}],
+                                           max_tokens=48, temperature=0)
+            return "ok"
+        except openai.InternalServerError as exc:
+            assert exc.status_code == 503 and exc.response.headers.get("retry-after"), exc
+            return "503"
+
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if REPLICA in a["name"])
+    start = time.monotonic()
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(one, i) for i in range(12)]
+        time.sleep(1.0)
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
+        results = [f.result(timeout=120) for f in futures]
+    assert set(results) <= {"ok", "503"} and time.monotonic() - start < 120
+    deadline = time.monotonic() + 120
+    while serve.status().applications[APP_NAME].deployments[REPLICA].replica_states.get("RUNNING", 0) != 2:
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(1)
+    seen: dict[str, dict] = {}
+    for _ in range(40):
+        kv = handle.kv_blocks.remote().result()
+        seen[kv["replica"]] = kv
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2
+    assert all(kv["free"] == kv["total"] and not kv["unfinished"] for kv in seen.values()), seen
+    assert _chat(client, PROMPTS[0])  # and the endpoint serves again
+    import httpx
+
+    deadline = time.monotonic() + 30  # the new replica publishes its figures too
+    while httpx.get(url.removesuffix("/v1") + "/health", timeout=10).json()["replicas_up"] != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_run_deploy_ray_scores_as_the_local_run(ray_serve, tmp_path):
+    """`orthrus-rag run deploy=ray` drives Iter-RetGen through the replicas' handle (it replaces the HTTP app)."""
+    from orthrus_rag.entrypoints import commands as app
+    from tests.test_app_config import _compose
+
+    common = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=16", "retriever.k=2",
+              "progress=false", "cache.num_blocks=512", "scheduler.max_num_batched_tokens=64",
+              "scheduler.max_chunk_tokens=32", "scheduler.max_num_seqs=32", "model.dtype=float32"]
+    local = app.run(_compose(*common, f"run_dir={tmp_path / 'local'}"))
+    remote = app.run(_compose(*common, "deploy=ray", "deploy.replicas=2", f"run_dir={tmp_path / 'ray'}"))
+    assert remote["num_failed"] == 0 and remote["config"]["serving"] == "ray-serve"
+    assert (remote["em"], remote["f1"]) == (local["em"], local["f1"])
