@@ -52,7 +52,8 @@ def test_typo_fails_at_compose_time():
     (["retriever.k=-2"], "retriever.k must be at least 1"),
     (["pipeline.iterations=0"], "pipeline.iterations must be at least 1"),
     (["scheduler.policy=fifo"], "scheduler: unknown scheduling policy 'fifo'"),
-    (["deploy.mode=ray"], "unknown deploy.mode 'ray'"),
+    (["deploy.mode=slurm"], "unknown deploy.mode 'slurm'"),
+    (["deploy=ray", "deploy.min_replicas=1"], "deploy.min_replicas and deploy.max_replicas go together"),
     (["deploy=dedicated", "deploy.threads=[1]"], "deploy.threads must be two positive"),
     (["deploy=disagg_pd", "deploy.threads=[0,1]"], "deploy.threads must be two positive"),
     (["deploy.threads=[1,1]"], "deploy.threads sets a deployment's workers"),
@@ -119,7 +120,8 @@ def test_deploy_groups_compose_beside_any_scheduler():
     ("cache.kv_cache_gib=0", "cache: kv_cache_gib must be positive"),
     ("scheduler.min_share=0.9", "scheduler: min_share must be in"),
     ("scheduler.policy=fifo", "scheduler: unknown scheduling policy 'fifo'"),
-    ("deploy.mode=ray", "unknown deploy.mode 'ray'"),
+    ("deploy.mode=slurm", "unknown deploy.mode 'slurm'"),
+    ("deploy.replicas=0", "deploy.replicas must be at least 1"),
     ("deploy.max_in_flight=0", "deploy.max_in_flight must be at least 1"),
 ])
 def test_a_bad_value_in_each_node_is_refused_naming_its_key(override, message, tmp_path):

@@ -44,7 +44,9 @@ def serve(cfg: Any) -> None:
 
 
 def _serve_on_ray(cfg: Any) -> None:
-    """`orthrus-rag serve deploy=ray`: deploy the replicas and the ingress, then wait until interrupted."""
+    """`orthrus-rag serve deploy=ray`: deploy the replicas and the ingress, then wait until interrupted (Ctrl-C or
+    SIGTERM; a local Ray this started stops with it)."""
+    import signal
     import time
 
     from ray import serve as ray_serve
@@ -55,14 +57,22 @@ def _serve_on_ray(cfg: Any) -> None:
     s, d = cfg.serve, cfg.deploy
     url = start(ray_application(cfg, resolve_api_key(s.api_key)), s.host, s.port, d.ray_address, d.ray_num_cpus)
     logger.info("serving %d engine replica(s) on Ray Serve at %s", d.replicas, url)
+
+    def _interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # NOTE: else a terminated server would leave its local Ray running
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        import ray
+
         stop()
         ray_serve.shutdown()
+        ray.shutdown()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
