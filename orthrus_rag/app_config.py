@@ -53,6 +53,7 @@ class DeployConf:
     target_ongoing_requests: float = 32.0
     ray_address: str | None = None  # join this cluster ("auto", "ray://host:10001"); None: start a local Ray
     ray_num_cpus: int | None = None  # the local Ray's CPUs; None: the machine's
+    gpus_per_replica: float = 0.0  # ray: GPUs each replica reserves (with model.device=cuda)
 
 
 @dataclass
@@ -180,6 +181,8 @@ def _check_deploy(d: Any) -> None:
         raise ValueError(f"deploy.num_threads sets one engine; the {d.mode} workers take deploy.threads")
     if d.replicas < 1:
         raise ValueError(f"deploy.replicas must be at least 1, got {d.replicas}")
+    if d.gpus_per_replica < 0:
+        raise ValueError(f"deploy.gpus_per_replica must be non-negative, got {d.gpus_per_replica}")
     if (d.min_replicas is None) != (d.max_replicas is None):
         raise ValueError("deploy.min_replicas and deploy.max_replicas go together (autoscaling between them)")
     if d.min_replicas is not None and not 0 <= d.min_replicas <= d.max_replicas:
@@ -252,7 +255,7 @@ def ray_application(cfg: Any, api_key: str | None = None) -> Any:
         "target_ongoing_requests": d.target_ongoing_requests}
     engine_config = replace(engine_config_from(cfg), num_threads=threads)
     return build_application(engine_config, d.replicas, threads, d.max_in_flight, s.served_model_name, api_key,
-                             s.default_max_tokens, autoscaling)
+                             s.default_max_tokens, autoscaling, d.gpus_per_replica)
 
 
 def build_client(cfg: Any):  # -> EngineClient

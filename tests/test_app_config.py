@@ -122,6 +122,7 @@ def test_deploy_groups_compose_beside_any_scheduler():
     ("scheduler.policy=fifo", "scheduler: unknown scheduling policy 'fifo'"),
     ("deploy.mode=slurm", "unknown deploy.mode 'slurm'"),
     ("deploy.replicas=0", "deploy.replicas must be at least 1"),
+    ("deploy.gpus_per_replica=-1", "deploy.gpus_per_replica must be non-negative"),
     ("deploy.max_in_flight=0", "deploy.max_in_flight must be at least 1"),
 ])
 def test_a_bad_value_in_each_node_is_refused_naming_its_key(override, message, tmp_path):

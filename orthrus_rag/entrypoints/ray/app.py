@@ -37,7 +37,7 @@ class OpenAIIngress:
 
 
 def replica_deployment(engine_config: Any, replicas: int, cpus_per_replica: float, max_in_flight: int,
-                       autoscaling: dict[str, Any] | None = None) -> Any:
+                       autoscaling: dict[str, Any] | None = None, gpus_per_replica: float = 0.0) -> Any:
     """The bound engine replicas (`autoscaling`: Ray Serve's autoscaling_config, instead of a fixed count)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -46,7 +46,7 @@ def replica_deployment(engine_config: Any, replicas: int, cpus_per_replica: floa
 
     count: dict[str, Any] = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
     deployment = serve.deployment(
-        EngineReplica, name=REPLICA, ray_actor_options={"num_cpus": cpus_per_replica},
+        EngineReplica, name=REPLICA, ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
         max_ongoing_requests=max_in_flight, health_check_period_s=2, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(request_router_class=LeastWorkRouter,
                                                   request_routing_stats_period_s=1),
@@ -56,12 +56,14 @@ def replica_deployment(engine_config: Any, replicas: int, cpus_per_replica: floa
 
 def build_application(engine_config: Any, replicas: int = 1, cpus_per_replica: float = 1.0,
                       max_in_flight: int = 256, served_model_name: str | None = None, api_key: str | None = None,
-                      default_max_tokens: int = 512, autoscaling: dict[str, Any] | None = None) -> Any:
+                      default_max_tokens: int = 512, autoscaling: dict[str, Any] | None = None,
+                      gpus_per_replica: float = 0.0) -> Any:
     from ray import serve
 
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="OpenAIIngress",
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max_in_flight)
-    return ingress.bind(replica_deployment(engine_config, replicas, cpus_per_replica, max_in_flight, autoscaling),
+    return ingress.bind(replica_deployment(engine_config, replicas, cpus_per_replica, max_in_flight, autoscaling,
+                                           gpus_per_replica),
                         engine_config.model.name, served_model_name, api_key, default_max_tokens, max_in_flight,
                         (autoscaling or {}).get("min_replicas", replicas))
 
