@@ -217,10 +217,11 @@ def _check_adapter_names(cfg: Any) -> None:
     from orthrus_rag.engine.routing import generation_slot, route_embedding
     from orthrus_rag.params import PoolingParams
 
-    names = [Path(p).name for p in cfg.model.embedding_adapters] + list(cfg.model.adapters)
-    slots = {name: i for i, name in enumerate(names, start=1)}
-    kinds = {**{Path(p).name: "embed" for p in cfg.model.embedding_adapters},
-             **{n: cfg.model.adapter_kinds.get(n, "both") for n in cfg.model.adapters}}
+    from omegaconf import OmegaConf
+
+    loaded = _owned("model", lambda: OmegaConf.to_object(cfg.model)).loaded_adapters()
+    slots = {name: i for i, name in enumerate(loaded, start=1)}
+    kinds = {name: kind for name, (_, kind) in loaded.items()}
     _owned("pipeline.generation_adapter", lambda: generation_slot(cfg.pipeline.generation_adapter, slots, kinds))
     if cfg.retriever.adapter is not None:
         _owned("retriever.adapter", lambda: route_embedding(PoolingParams(adapter=cfg.retriever.adapter),
@@ -239,41 +240,6 @@ def build_engine(cfg: Any):  # -> Engine
     from orthrus_rag.engine.engine import Engine
 
     return Engine.from_config(engine_config_from(cfg))
-
-
-def ray_application(cfg: Any, api_key: str | None = None) -> Any:
-    """The Ray Serve application `deploy=ray` runs: `deploy.replicas` engine replicas (or autoscaled ones) of the
-    configured engine, `deploy.num_threads` threads (and CPUs) each, behind the OpenAI ingress."""
-    from dataclasses import replace
-
-    from orthrus_rag.entrypoints.ray.app import build_application
-
-    d, s = cfg.deploy, cfg.serve
-    threads = d.num_threads or 1
-    autoscaling = None if d.min_replicas is None else {
-        "min_replicas": d.min_replicas, "max_replicas": d.max_replicas, "initial_replicas": d.replicas,
-        "target_ongoing_requests": d.target_ongoing_requests}
-    engine_config = replace(engine_config_from(cfg), num_threads=threads)
-    return build_application(engine_config, d.replicas, threads, d.max_in_flight, s.served_model_name, api_key,
-                             s.default_max_tokens, autoscaling, d.gpus_per_replica)
-
-
-def build_client(cfg: Any):  # -> EngineClient
-    """The `EngineClient` that `run`, `index` and `serve` go through. `deploy.mode`: `engine` (one co-scheduled
-    engine, an `AsyncEngine`) or a two-process deployment of it."""
-    from orthrus_rag.engine.async_engine import AsyncEngine
-    from orthrus_rag.engine.clients import start_deployment
-
-    if cfg.deploy.mode == "engine":
-        return AsyncEngine(build_engine(cfg), max_in_flight=cfg.deploy.max_in_flight)
-    if cfg.deploy.mode == "ray":
-        from orthrus_rag.entrypoints.ray.app import ray_client
-
-        return ray_client(ray_application(cfg), cfg.deploy.ray_address, cfg.deploy.ray_num_cpus,
-                          cfg.deploy.max_in_flight)
-    threads = tuple(cfg.deploy.threads) if cfg.deploy.threads else (1, 1)
-    logger.info("starting the %s deployment (threads %s)", cfg.deploy.mode, threads)
-    return start_deployment(cfg.deploy.mode, engine_config_from(cfg), threads)
 
 
 def engine_config_from(cfg: Any) -> EngineConfig:  # the one engine, or each worker's of a deployment

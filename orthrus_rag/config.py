@@ -64,6 +64,16 @@ class ModelConfig:
         """What a named adapter may do: "generate", "embed" or "both" (a plain PEFT folder may do both)."""
         return self.adapter_kinds.get(name, "both")
 
+    def loaded_adapters(self) -> dict[str, tuple[str, str]]:
+        """Every adapter the engine loads, in slot order: name -> (folder, kind). The embedding adapters come
+        first, named by their folders and of kind "embed" (the first is the default embedding); then the named
+        ones. The one owner of these names: loading attaches them, the CLI checks what a run names against them."""
+        from pathlib import Path
+
+        out = {Path(p).name: (p, "embed") for p in self.embedding_adapters}
+        out.update((name, (p, self.adapter_kind(name))) for name, p in self.adapters.items())
+        return out
+
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

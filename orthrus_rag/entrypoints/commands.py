@@ -9,7 +9,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from orthrus_rag.app_config import build_client, validate
+from orthrus_rag.app_config import validate
+from orthrus_rag.entrypoints.clients import build_client
 
 logger = logging.getLogger(__name__)
 

@@ -62,8 +62,8 @@ class MaskFiller:
 def _filled(rows: list[Any], vocab_size: int) -> torch.Tensor:
     bitmask = allocate_bitmask(len(rows), vocab_size)
     if all(isinstance(m, Matcher) for m in rows):
-        fill_masks(rows, bitmask)
-    else:  # matchers of another kind (tests): one row at a time
+        fill_masks(rows, bitmask)  # llguidance's matchers: every row at once, on its threads
+    else:  # any other matcher fills its own row (`fill(bitmask, row)`)
         for j, m in enumerate(rows):
             m.fill(bitmask, j)
     return bitmask

@@ -2,8 +2,8 @@
 
 llguidance is the library (scripts/bench_grammar_backends.py measured it against xgrammar on this project's CPUs:
 no ahead-of-time compile, so a new schema costs about a millisecond instead of 4-400 ms, and no GPU-oriented
-dependencies). This module is the only one that imports it: the seam is `GrammarCompiler.matcher(spec)` and the
-`Matcher` it returns (fill a bitmask row, consume a token, is it done).
+dependencies). This module is the only one that imports it: the seam is `GrammarCompiler.matcher(spec)`, the
+`Matcher` it returns (consume a token, is it done) and `fill_masks` (a step's rows of masks at once).
 
 Compiling happens off the step loop: front ends call `prepare` in a worker thread before they submit (the
 `AsyncEngine` and the server do), so the engine's own call is a cache hit.
@@ -33,12 +33,6 @@ class Matcher:
 
     def __init__(self, inner: Any) -> None:
         self._m = inner
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of an int32 bitmask [rows, ceil(vocab / 32)]."""
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
     def consume(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar refused it (the mask should have prevented it)."""

@@ -1,16 +1,17 @@
 """`EngineClient`: the one seam everything above the engine calls through.
 
 Pipelines, retrievers (the `Embedder`), the OpenAI server, the LangChain components and `orthrus-rag run` all take
-an `EngineClient`. Three implement it: `AsyncEngine` (one engine in this process), `DeploymentClient` (the
-two-process baselines, or a benchmark peer, over the submit/poll `ServingClient` seam) and `RemoteClient` (a
-running `orthrus-rag serve`, over HTTP). What the embeddings of a client are (`EmbeddingSpace`) travels with it,
+an `EngineClient`. Four implement it: `AsyncEngine` (one engine in this process), `DeploymentClient` (the
+two-process baselines, or a benchmark peer, over the submit/poll `ServingClient` seam), `RemoteClient` (a
+running `orthrus-rag serve`, over HTTP) and `RayServeClient` (engine replicas on Ray Serve, entrypoints/ray/). What the embeddings of a client are (`EmbeddingSpace`) travels with it,
 so an index built through one client is searched only through a client of the same space.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from orthrus_rag.engine.routing import EmbeddingSpace
@@ -78,3 +79,19 @@ def refuse_inside_event_loop() -> None:
         return
     raise RuntimeError("a blocking embedding call inside a running event loop would block it; "
                        "await the async API (aembed_documents / aembed_query / embed_many) instead")
+
+
+class InFlight:
+    """A client's count of requests sent and not yet answered (its `num_in_flight`), for clients whose requests
+    live elsewhere (a server, replicas): `with in_flight(n): await ...`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def __call__(self, n: int = 1) -> Iterator[None]:
+        self.count += n
+        try:
+            yield
+        finally:
+            self.count -= n

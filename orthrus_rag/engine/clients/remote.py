@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import itertools
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
 import numpy as np
 import torch
 
+from orthrus_rag.engine.clients.protocol import InFlight
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -48,7 +48,7 @@ class RemoteClient:
         # NOTE: an async client's connections belong to one event loop; each loop gets its own
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
         self._space: EmbeddingSpace | None = None
-        self._num_in_flight = 0
+        self._counted = InFlight()
         self._ids = itertools.count()
 
     # ---- what the server serves ---------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ class RemoteClient:
 
     @property
     def num_in_flight(self) -> int:
-        return self._num_in_flight
+        return self._counted.count
 
     def observe_steps(self, observer: Callable[[Any], None]) -> None:
         return None  # NOTE: the steps run on the server (its /metrics shows them)
@@ -168,13 +168,6 @@ class RemoteClient:
             client = self._async[loop] = openai.AsyncOpenAI(**self._kwargs)
         return client
 
-    @contextlib.contextmanager
-    def _counted(self, n: int) -> Iterator[None]:
-        self._num_in_flight += n
-        try:
-            yield
-        finally:
-            self._num_in_flight -= n
 
 
 def _embeddings(out: Any) -> list[EmbeddingOutput]:

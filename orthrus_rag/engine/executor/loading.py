@@ -45,12 +45,12 @@ def load_models(config: EngineConfig) -> LoadedModels:
     model = load_decoder(path, mc.torch_dtype, mc.device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     slots: dict[str, int] = {}
-    # the embedding adapters (named by their folders; the first is the default embedding), then the named ones
-    loaded = [load_peft_adapter(p) for p in mc.embedding_adapters]
-    kinds = {a.name: "embed" for a in loaded}
-    for name, adapter_path in mc.adapters.items():
-        loaded.append(load_peft_adapter(adapter_path, name))
-        kinds[name] = mc.adapter_kind(name)
+    adapters = mc.loaded_adapters()
+    kinds = {name: kind for name, (_, kind) in adapters.items()}
+    loaded = [load_peft_adapter(folder, name) for name, (folder, _) in adapters.items()]
+    if len(loaded) < len(mc.embedding_adapters) + len(mc.adapters):
+        raise ValueError("two adapters share a name (an embedding adapter is named by its folder): "
+                         f"{', '.join(list(mc.adapters) + [str(p) for p in mc.embedding_adapters])}")
     if loaded:
         slots = attach_adapters(model, loaded)
         set_lora_kernel(model, mc.lora_kernel)

@@ -49,7 +49,7 @@ async def _chat_params(service: OpenAIService, req: ChatCompletionRequest) -> li
     adapter = service.generation_adapter(req.model)
     _refuse_unsupported(req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    structured = await checked_constraint(service.tokenizer, req)
+    structured = await checked_constraint(service.client, req)
     return [service.sampling_params(req.token_limit(), req.temperature, req.top_p, req.stop_list(), req.seed, i,
                                     logprobs, structured, adapter) for i in range(req.n)]
 
@@ -106,7 +106,7 @@ async def _completion_params(service: OpenAIService, req: CompletionRequest) -> 
     adapter = service.generation_adapter(req.model)
     _refuse_unsupported(req)
     prompts = as_prompts(req.prompt)
-    structured = await checked_constraint(service.tokenizer, req)
+    structured = await checked_constraint(service.client, req)
     params = [service.sampling_params(req.max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed, i,
                                       req.logprobs, structured, adapter) for i in range(req.n)]
     return prompts, params

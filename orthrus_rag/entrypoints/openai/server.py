@@ -26,7 +26,8 @@ def resolve_api_key(api_key: str | None) -> str | None:
 
 def serve(cfg: Any) -> None:
     """`orthrus-rag serve`: build the engine from the composed config and serve it until interrupted."""
-    from orthrus_rag.app_config import build_client, validate
+    from orthrus_rag.app_config import validate
+    from orthrus_rag.entrypoints.clients import build_client
 
     validate(cfg)
     s = cfg.serve
@@ -51,11 +52,10 @@ def _serve_on_ray(cfg: Any) -> None:
 
     from ray import serve as ray_serve
 
-    from orthrus_rag.app_config import ray_application
-    from orthrus_rag.entrypoints.ray.app import start, stop
+    from orthrus_rag.entrypoints.ray.app import application_of, start, stop
 
     s, d = cfg.serve, cfg.deploy
-    url = start(ray_application(cfg, resolve_api_key(s.api_key)), s.host, s.port, d.ray_address, d.ray_num_cpus)
+    url = start(application_of(cfg, resolve_api_key(s.api_key)), s.host, s.port, d.ray_address, d.ray_num_cpus)
     logger.info("serving %d engine replica(s) on Ray Serve at %s", d.replicas, url)
 
     def _interrupt(*_: Any) -> None:

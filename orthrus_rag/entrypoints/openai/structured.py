@@ -69,13 +69,16 @@ def _from_response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
                       "response_format")
 
 
-async def checked_constraint(tokenizer: Any, req: Any) -> StructuredOutputsParams | None:
-    """Compile `spec` in a worker thread (cached by the shared compiler; an in-process engine then finds it
-    compiled): a 400 naming the field when the schema, regex or grammar is invalid."""
+async def checked_constraint(client: Any, req: Any) -> StructuredOutputsParams | None:
+    """The request's constraint, compiled in a worker thread: a 400 naming the field when the schema, regex or
+    grammar is invalid. An in-process engine's own compiler does it (its requests then find it compiled); a client
+    whose engine is elsewhere (a deployment, replicas, a remote server) is checked with this process's compiler
+    for its tokenizer, and its engine compiles the constraint again, once."""
     spec, field = constraint_of(req)
     if spec is None:
         return None
-    compiler = compiler_for(tokenizer, len(tokenizer))
+    compiler = getattr(getattr(client, "engine", None), "grammars", None) \
+        or compiler_for(client.tokenizer, len(client.tokenizer))
     try:
         await asyncio.to_thread(compiler.prepare, spec)
     except ValueError as exc:

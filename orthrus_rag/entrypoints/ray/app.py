@@ -54,6 +54,35 @@ def replica_deployment(engine_config: Any, replicas: int, cpus_per_replica: floa
     return deployment.bind(engine_config, max_in_flight)
 
 
+def _replica_options(cfg: Any) -> dict[str, Any]:
+    """`replica_deployment`'s arguments from the composed config: `deploy.replicas` (or autoscaling between
+    `deploy.min_replicas` and `max_replicas`), `deploy.num_threads` threads and CPUs each (default 1)."""
+    from dataclasses import replace
+
+    from orthrus_rag.app_config import engine_config_from
+
+    d = cfg.deploy
+    threads = d.num_threads or 1
+    autoscaling = None if d.min_replicas is None else {
+        "min_replicas": d.min_replicas, "max_replicas": d.max_replicas, "initial_replicas": d.replicas,
+        "target_ongoing_requests": d.target_ongoing_requests}
+    return dict(engine_config=replace(engine_config_from(cfg), num_threads=threads), replicas=d.replicas,
+                cpus_per_replica=threads, max_in_flight=d.max_in_flight, autoscaling=autoscaling,
+                gpus_per_replica=d.gpus_per_replica)
+
+
+def replicas_of(cfg: Any) -> Any:
+    """The engine replicas alone (what a run deploys: it calls them through their handle, no ingress)."""
+    return replica_deployment(**_replica_options(cfg))
+
+
+def application_of(cfg: Any, api_key: str | None = None) -> Any:
+    """What `orthrus-rag serve deploy=ray` deploys: the replicas behind the OpenAI ingress."""
+    s = cfg.serve
+    return build_application(**_replica_options(cfg), served_model_name=s.served_model_name, api_key=api_key,
+                             default_max_tokens=s.default_max_tokens)
+
+
 def build_application(engine_config: Any, replicas: int = 1, cpus_per_replica: float = 1.0,
                       max_in_flight: int = 256, served_model_name: str | None = None, api_key: str | None = None,
                       default_max_tokens: int = 512, autoscaling: dict[str, Any] | None = None,
@@ -102,8 +131,9 @@ def start(application: Any, host: str = "127.0.0.1", port: int = 8000, address: 
 
 def ray_client(application: Any, address: str | None = None, num_cpus: int | None = None,
                max_in_flight: int = 8192) -> "RayServeClient":
-    """Deploy `application` with no HTTP route and return a `RayServeClient` over its engine replicas' handle (a
-    run's client: no HTTP hop). Closing it deletes the application, and stops Ray if this call started it."""
+    """Deploy `application` (the replicas, `replicas_of`) with no HTTP route and return a `RayServeClient` over
+    their handle (a run's client: no HTTP hop). Closing it deletes the application, and stops Ray if this call
+    started it."""
     from ray import serve
 
     from orthrus_rag.engine.clients.deployment_client import load_tokenizer

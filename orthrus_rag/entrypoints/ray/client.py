@@ -6,12 +6,11 @@ AsyncEngine aborts the engine request."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from orthrus_rag.engine.async_engine import EngineUnavailable
-from orthrus_rag.engine.clients.protocol import refuse_inside_event_loop
+from orthrus_rag.engine.clients.protocol import InFlight, refuse_inside_event_loop
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -37,19 +36,12 @@ class RayServeClient:
         self.embedding_space = embedding_space
         self.max_in_flight = max_in_flight
         self.name = name
-        self._num_in_flight = 0
+        self._counted = InFlight()
 
     @property
     def num_in_flight(self) -> int:
-        return self._num_in_flight
+        return self._counted.count
 
-    @contextlib.contextmanager
-    def _counted(self, n: int) -> Iterator[None]:
-        self._num_in_flight += n
-        try:
-            yield
-        finally:
-            self._num_in_flight -= n
 
     async def _call(self, method: str, *args: Any) -> Any:
         """`method` on some replica; sent again when its replica dies (nothing of it reached the caller yet), and
