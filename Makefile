@@ -28,10 +28,11 @@ test: install
 test-fast: install
 	ORTHRUS_TEST_FAST=1 $(PY) -m pytest -q -m "not slow and not gpu"
 
-# the shared-backbone embedding adapter, by the project's recipe (synthetic text only; fixed seeds; nice'd)
+# the shared-backbone embedding adapter shipped as orthrus_rag/adapters/smollm2_embed, by the project's recipe
+# (synthetic text only; fixed seeds; 400 steps, ~50 min and ~8 GB on two idle cores; nice'd)
 adapter: install
 	nice -n 19 $(PY) scripts/train_embedding_adapter.py --out runs/adapters/smollm2-embed --batch-size 12 \
-		--max-len 96 --lr 5e-4 --steps 400
+		--max-len 96 --lr 5e-4 --steps 400 --max-minutes 0 --no-checkpointing
 
 bench: install
 	$(PY) scripts/bench_engine.py

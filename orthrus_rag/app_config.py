@@ -51,6 +51,9 @@ class DeployConf:
     min_replicas: int | None = None  # both set: Ray Serve autoscales between them, by `target_ongoing_requests`
     max_replicas: int | None = None
     target_ongoing_requests: float = 32.0
+    upscale_delay_s: float = 30.0  # autoscaling: how long the load must stay above (below) target before Ray
+    downscale_delay_s: float = 600.0  # adds (removes) a replica; Ray Serve's defaults
+    retries: int = 2  # a call whose replica died is sent again this many times (then: HTTP 503 / a failed question)
     ray_address: str | None = None  # join this cluster ("auto", "ray://host:10001"); None: start a local Ray
     ray_num_cpus: int | None = None  # the local Ray's CPUs; None: the machine's
     gpus_per_replica: float = 0.0  # ray: GPUs each replica reserves (with model.device=cuda)
@@ -89,7 +92,7 @@ class PipelineConf:
 
 @dataclass
 class ServeConf:
-    """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (orthrus_rag/entrypoints/openai/)."""
+    """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (entrypoints/openai/)."""
 
     host: str = "127.0.0.1"  # loopback by default; another address exposes the engine to the network
     port: int = 8000
@@ -113,14 +116,19 @@ class AppConf:
     # folder, one subfolder per job
     run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"
     resume: str | None = None  # a run folder to continue: its recorded questions are skipped
+    # which failed questions a resume asks again: retryable (the serving system's failures: a replica that died,
+    # the question timeout), all, or none (every record stays as it is)
+    retry_failed: str = "retryable"
     checkpoint_every: int = 100  # questions between rewrites of summary.json (and fsyncs of records.jsonl)
     seed: int = 0
     progress: bool = True
 
 
+RETRY_FAILED = ("retryable", "all", "none")
+
 # settings that change how a run goes, not what it computes: a resumed run may change them
-OPERATIONAL_KEYS = ("run_dir", "resume", "progress", "checkpoint_every", "pipeline.max_concurrency",
-                    "pipeline.question_timeout_s", "deploy.num_threads", "deploy.max_in_flight")
+OPERATIONAL_KEYS = ("run_dir", "resume", "retry_failed", "progress", "checkpoint_every", "pipeline.max_concurrency",
+                    "pipeline.question_timeout_s", "deploy.num_threads", "deploy.max_in_flight", "deploy.retries")
 
 
 def register_configs() -> None:
@@ -155,8 +163,10 @@ def validate(cfg: Any) -> None:
     if cfg.pipeline.max_tokens < 1:
         raise ValueError(f"pipeline.max_tokens must be at least 1, got {cfg.pipeline.max_tokens}")
     check_answer_format(cfg.pipeline.answer_format)
+    from orthrus_rag.models.registry import resolve_adapter_path
+
     for adapter in cfg.model.embedding_adapters:
-        if not Path(adapter).is_dir():
+        if not resolve_adapter_path(adapter).is_dir():
             raise ValueError(f"model.embedding_adapters: no such folder: {adapter}")
     for name, adapter in cfg.model.adapters.items():
         if not Path(adapter).is_dir():
@@ -189,6 +199,11 @@ def _check_deploy(d: Any) -> None:
         raise ValueError(f"deploy.min_replicas must be in [0, max_replicas], got {d.min_replicas} and {d.max_replicas}")
     if d.max_in_flight < 1:
         raise ValueError(f"deploy.max_in_flight must be at least 1, got {d.max_in_flight}")
+    if d.retries < 0:
+        raise ValueError(f"deploy.retries must be non-negative, got {d.retries}")
+    if d.upscale_delay_s < 0 or d.downscale_delay_s < 0:
+        raise ValueError(f"deploy.upscale_delay_s and downscale_delay_s must be non-negative, got "
+                         f"{d.upscale_delay_s} and {d.downscale_delay_s}")
 
 
 def _owned(prefix: str, build: Callable[[], Any]) -> Any:
@@ -264,6 +279,7 @@ def _check_run_settings(cfg: Any) -> None:
                          f"got {p.question_timeout_s}")
     if cfg.checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be at least 1, got {cfg.checkpoint_every}")
+    _choice(cfg.retry_failed, RETRY_FAILED, "retry_failed")
     if cfg.resume is not None and not Path(cfg.resume).is_dir():
         raise ValueError(f"resume: no such run folder: {cfg.resume}")
 

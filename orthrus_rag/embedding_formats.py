@@ -6,7 +6,14 @@ engine prefixes `instruction` and appends the end token itself, so callers pass 
 
 from __future__ import annotations
 
-from orthrus_rag.params import PoolingParams
+import json
+from pathlib import Path
+
+from orthrus_rag.params import INPUT_TYPES, PoolingParams
+
+# An embedding adapter's card: its pooling and its query / document prefixes (scripts/train_embedding_adapter.py
+# writes it beside the PEFT files)
+ADAPTER_CARD = "orthrus_embedding.json"
 
 QWEN3_EMBEDDING_END = "<|endoftext|>"
 QWEN3_DEFAULT_TASK = "Given a web search query, retrieve relevant passages that answer the query"
@@ -27,3 +34,12 @@ def e5_mistral_params(query: bool, task: str = QWEN3_DEFAULT_TASK, **overrides: 
     "Instruct: {task}\\nQuery: {query}" (with a space), documents are plain text."""
     instruction = f"Instruct: {task}\nQuery: " if query else None
     return PoolingParams(pooling="last", normalize=True, instruction=instruction, append_eos=True, **overrides)
+
+
+def read_adapter_prefixes(folder: str | Path) -> dict[str, str]:
+    """{"query": prefix, "document": prefix} from an adapter folder's card (the kinds it names); {} without one."""
+    card = Path(folder) / ADAPTER_CARD
+    if not card.is_file():
+        return {}
+    data = json.loads(card.read_text())
+    return {kind: data[f"{kind}_instruction"] for kind in INPUT_TYPES if data.get(f"{kind}_instruction")}

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 POOLING_TYPES = ("mean", "weighted_mean", "cls", "first", "last", "all")
+INPUT_TYPES = ("query", "document")  # what an embedding input is, for models that format the two differently
 MAX_LOGPROBS = 20  # top tokens per position (OpenAI's chat limit)
 
 
@@ -157,6 +158,9 @@ class PoolingParams:
     refusing it.
     `priority`: lower runs sooner (vLLM's convention). Below 0 marks latency-critical work, such as the query
     embedding a multi-hop chain waits on: the `orthrus` policy serves it before splitting the rest of a step.
+    `input_type`: "query" or "document" (Cohere's and Voyage's name): an embedding adapter whose card names a
+    prefix for that kind of input (`orthrus_embedding.json`, as the shipped `smollm2_embed`) gets it from the
+    engine, unless `instruction` is given; other models ignore it.
     """
 
     pooling: str = "mean"
@@ -169,8 +173,11 @@ class PoolingParams:
     adapter: str | None = None
     truncate: bool = False
     priority: int = 0
+    input_type: str | None = None
 
     def __post_init__(self) -> None:
+        if self.input_type is not None and self.input_type not in INPUT_TYPES:
+            raise ValueError(f"unknown input_type {self.input_type!r}; expected one of {', '.join(INPUT_TYPES)}")
         if self.pooling not in POOLING_TYPES:
             raise ValueError(f"unknown pooling type {self.pooling!r}; expected one of {', '.join(POOLING_TYPES)}")
         if self.weights is not None and self.pooling != "weighted_mean":

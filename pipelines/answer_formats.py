@@ -49,8 +49,8 @@ def final_constraint(answer_format: str, max_tokens: int) -> StructuredOutputsPa
 
 def parse_final(generation: str, answer_format: str, question: str | None = None) -> ParsedAnswer:
     """The answer of a final generation written under `answer_format`. Constrained: the sentence after the last
-    phrase (the one the grammar forced; the model may write on past its full stop); JSON: the object's answer. Either falls back to
-    `parse_answer` when the text is not what the constraint makes (a generation cut by its token budget)."""
+    phrase (the one the grammar forced; the model may write on past its full stop); JSON: the object's answer.
+    Either falls back to `parse_answer` when the text is not what the constraint makes (a generation cut by its token budget)."""
     check_answer_format(answer_format)
     if answer_format == "constrained":
         spans = list(re.finditer(re.escape(ANSWER_PHRASE) + r" ", generation))

@@ -53,6 +53,13 @@ def _is_fatal(exc: BaseException) -> bool:
     return isinstance(exc, (EngineShutdown, ClientFailed))
 
 
+def _is_retryable(exc: BaseException) -> bool:
+    """The question failed for the serving system's reason (the replica holding it died), not its own."""
+    from orthrus_rag.engine.async_engine import EngineUnavailable
+
+    return isinstance(exc, EngineUnavailable)
+
+
 class IterRetGen:
     """`iterations=1` is standard RAG; `retriever=None` is no retrieval (one generation from the question).
 
@@ -148,11 +155,13 @@ class IterRetGen:
             logger.warning("question %s timed out after %g s", ex.id, self.question_timeout_s)
             rec.error = (f"TimeoutError: no answer within {self.question_timeout_s:g} s "
                          "(pipeline.question_timeout_s); its requests were aborted")
+            rec.retryable = True
         except (ValueError, RuntimeError) as exc:  # one bad question must not sink the run
             if _is_fatal(exc):
                 raise
             logger.warning("question %s failed: %s", ex.id, exc)
             rec.error = f"{type(exc).__name__}: {exc}"
+            rec.retryable = _is_retryable(exc)
         return rec
 
     async def stream(self, examples: Iterable[tuple[int, QAExample]]) -> AsyncIterator[QARecord]:

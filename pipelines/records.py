@@ -40,6 +40,9 @@ class QARecord:
     recall: dict[str, float | None] = field(default_factory=dict)  # "recall@k" of the last retrieval
     latency_s: float = 0.0
     error: str | None = None
+    # the failure was the serving system's, not the question's (its replica died, the question timed out): a
+    # resume asks it again (`retry_failed`), where a bad input would only fail the same way
+    retryable: bool = False
     index: int = -1  # position in the dataset
     session: int = 0  # 0: the first run into this folder; n: its n-th resume
     finished_s: float = 0.0  # seconds after the session's pipeline started
@@ -60,3 +63,10 @@ class QARecord:
         rec.iterations = [IterationRecord(**{k: v for k, v in it.items() if k in it_known})
                           for it in row.get("iterations", [])]
         return rec
+
+
+def ask_again(rec: QARecord, retry_failed: str) -> bool:
+    """Whether a resume (`retry_failed`: retryable / all / none) asks this recorded question again."""
+    if rec.error is None or retry_failed == "none":
+        return False
+    return retry_failed == "all" or rec.retryable

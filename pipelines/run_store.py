@@ -3,6 +3,8 @@
 - `records.jsonl`: one line per question, written (one unbuffered write) as each finishes, fsynced at every
   checkpoint; a write that fails part-way is cut off again, so the file only ever holds whole records;
 - `steps.jsonl`: one line per engine step, streamed while the run goes;
+- `retried.jsonl`: the failed records a resume set aside to ask their questions again (history only: records.jsonl
+  keeps one record per question);
 - `summary.json` and `config.yaml`: replaced atomically (a temporary file, fsynced, then renamed), so a reader
   never sees half of one.
 
@@ -27,6 +29,7 @@ from orthrus_rag.pipelines.records import QARecord
 
 logger = logging.getLogger(__name__)
 RECORDS, STEPS, SUMMARY, CONFIG = "records.jsonl", "steps.jsonl", "summary.json", "config.yaml"
+RETRIED = "retried.jsonl"
 
 
 class RunStoreError(RuntimeError):
@@ -100,6 +103,24 @@ class RunStore:
         for row in self._read_rows(RECORDS, repair=True):
             self.num_records += 1
             yield QARecord.from_json(row)
+
+    def set_aside(self, again: list[QARecord], kept: list[QARecord]) -> None:
+        """Before `open()`, on resume: move the records of the questions to ask again to retried.jsonl, leaving
+        records.jsonl with `kept`. The set-aside lines are fsynced first and records.jsonl is then replaced
+        atomically, so a kill in between only repeats lines of retried.jsonl, never loses a record."""
+        def lines(recs: list[QARecord]) -> str:
+            return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in recs)
+
+        path = self.folder / RETRIED
+        try:
+            with path.open("a", encoding="utf-8") as f:
+                f.write(lines(again))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise self._error(exc, path) from exc
+        self.write_atomic(RECORDS, lines(kept))
+        self.num_records = len(kept)
 
     def read_steps(self) -> Iterator[dict[str, Any]]:
         yield from self._read_rows(STEPS, repair=True)

@@ -94,7 +94,8 @@ class EngineEmbedder(EmbedderMethods):
 
     Documents and queries pool with their own `PoolingParams` (e.g. queries with an instruction prefix); both
     must route to the same model and adapter. Defaults: the client's default pooling (the encoder's own when it
-    has a separate embedding model, else mean pooling with L2 normalisation on the decoder). The vectors'
+    has a separate embedding model, else mean pooling with L2 normalisation on the decoder), as documents and
+    queries (`input_type`: an embedding adapter's card may prefix each). The vectors'
     dimension is asked of the client once (a pooling head may change it)."""
 
     def __init__(self, client: EngineClient | Engine, document_params: PoolingParams | None = None,
@@ -106,8 +107,10 @@ class EngineEmbedder(EmbedderMethods):
         # NOTE: embed_many submits a whole batch; stay under the client's in-flight limit
         self.batch_size = min(batch_size, self.client.max_in_flight)
         space = self.client.embedding_space
-        self.document_params = document_params or space.default_pooling()
-        self.query_params = query_params or replace(self.document_params)
+        # NOTE: an adapter's query / document prefixes filled in here, so the index's identity records them
+        doc = document_params or replace(space.default_pooling(), input_type="document")
+        query = query_params or replace(doc, input_type="query" if doc.input_type else None)
+        self.document_params, self.query_params = space.formatted(doc), space.formatted(query)
         for params in (self.document_params, self.query_params):
             if params.pooling == "all" and params.head is None:
                 raise ValueError("pooling='all' without a head gives one vector per token; pass a head")

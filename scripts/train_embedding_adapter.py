@@ -17,7 +17,11 @@ Loss: in-batch-negative InfoNCE (temperature 0.05) over the batch's positives an
 distillation of all-MiniLM-L6-v2's query-document similarity structure on the same batch (KL between the row
 softmaxes of teacher and student similarity matrices, both at temperature 0.05), weighted by --distill.
 Seeds are fixed (data, LoRA init, batch order). The adapter folder gets `orthrus_embedding.json` (pooling and
-prefixes, read by scripts/eval_embedding_recall.py) and a `training.json` with the loss curve.
+prefixes, read by the engine and scripts/eval_embedding_recall.py) and a `training.json` with the loss curve.
+
+`--full`: the same recipe as a full fine-tune (every weight but the token embeddings, which SmolLM2 ties to its
+output head; no weight decay, so untouched directions stay at the base), saved as a checkpoint folder: the "tuned"
+side of a real pair for scripts/extract_adapter.py.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from orthrus_rag.data.synthetic import make_synthetic
+from orthrus_rag.embedding_formats import ADAPTER_CARD
 from orthrus_rag.engine.input_processor import InputProcessor
 from orthrus_rag.models.registry import resolve_model_path
 from orthrus_rag.params import PoolingParams
@@ -131,13 +136,19 @@ def train(args: argparse.Namespace) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     if args.checkpointing:  # NOTE: activations of 30 layers x 48 sequences are ~8 GB without it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    peft_model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                                                  target_modules=TARGETS))
-    body = peft_model.base_model.model.model  # the decoder body: final normed hidden states, as the engine pools
+    if args.full:
+        for name, param in model.named_parameters():
+            param.requires_grad = "embed_tokens" not in name
+        peft_model, body = model, model.model
+    else:
+        peft_model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                                                      target_modules=TARGETS))
+        body = peft_model.base_model.model.model  # the decoder body: final normed hidden states, as the engine pools
     pooler = Pooler(tokenizer, model.config.vocab_size, args.max_len)
     teacher = Teacher(args.teacher) if args.distill > 0 else None
     triples = make_triples(args.num_questions, args.seed)
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=0.0 if args.full else 0.01)
     probe = triples[:args.batch_size]  # a fixed batch: its loss before and after says whether training helped
 
     def loss_on(batch: list[Triple]) -> tuple[torch.Tensor, dict]:
@@ -172,6 +183,8 @@ def train(args: argparse.Namespace) -> dict:
             break
     with torch.no_grad():
         probe_after = float(loss_on(probe)[0])
+    if args.full:
+        tokenizer.save_pretrained(str(args.out))
     return save(args, peft_model, history, probe_before, probe_after, time.perf_counter() - start)
 
 
@@ -179,12 +192,17 @@ def save(args: argparse.Namespace, peft_model, history: list[dict], before: floa
          seconds: float) -> dict:
     out: Path = args.out
     peft_model.save_pretrained(str(out))
-    if args.save_dtype != "float32":  # NOTE: halves the folder; the engine casts adapters to its own dtype
+    config = out / "adapter_config.json"
+    if config.is_file():  # NOTE: the base by the name it was given, not this machine's cache folder for it
+        config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": args.model},
+                                     indent=2))
+    # NOTE: halves the folder; the engine casts adapters to its own dtype
+    if args.save_dtype != "float32" and not args.full:
         from safetensors.torch import load_file, save_file
 
         file = out / "adapter_model.safetensors"
         save_file({k: v.to(getattr(torch, args.save_dtype)) for k, v in load_file(str(file)).items()}, str(file))
-    (out / "orthrus_embedding.json").write_text(json.dumps(
+    (out / ADAPTER_CARD).write_text(json.dumps(
         {"pooling": "mean", "normalize": True, "query_instruction": QUERY_PREFIX,
          "document_instruction": DOC_PREFIX, "append_eos": False}, indent=2))
     summary = {"args": {k: str(v) for k, v in vars(args).items()}, "probe_loss_before": before,
@@ -214,7 +232,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                     help="keep all activations (faster, several GB more memory)")
-    ap.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default="float16")
+    ap.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default="float16",
+                    help="the adapter's stored dtype (a --full checkpoint stays float32)")
+    ap.add_argument("--full", action="store_true", help="a full fine-tune (a checkpoint folder), not a LoRA")
     return ap.parse_args(argv)
 
 

@@ -164,3 +164,98 @@ def test_run_deploy_ray_scores_as_the_local_run(ray_serve, tmp_path):
     remote = app.run(_compose(*common, "deploy=ray", "deploy.replicas=2", f"run_dir={tmp_path / 'ray'}"))
     assert remote["num_failed"] == 0 and remote["config"]["serving"] == "ray-serve"
     assert (remote["em"], remote["f1"]) == (local["em"], local["f1"])
+
+
+def _victim():
+    import ray
+
+    from orthrus_rag.entrypoints.ray.app import REPLICA
+
+    found = next(a for a in ray.util.list_named_actors(all_namespaces=True) if REPLICA in a["name"])
+    return ray.get_actor(found["name"], namespace=found["namespace"])
+
+
+def test_a_run_whose_replica_is_killed_resumes_to_a_complete_set(ray_serve, tmp_path):
+    """With no retries (`deploy.retries=0`), the questions a killed replica held are recorded as failed and
+    retryable; the run goes on with the other replica, and a resume asks them again: every question answered."""
+    import json
+    import threading
+    import time
+
+    import ray
+
+    from orthrus_rag.entrypoints import commands as app
+    from tests.test_app_config import _compose
+
+    folder = tmp_path / "run"
+    args = ["experiment=smoke", "dataset.num_questions=8", "pipeline.max_tokens=24", "retriever.k=2",
+            "progress=false", "cache.num_blocks=512", "scheduler.max_num_batched_tokens=64", "deploy=ray",
+            "deploy.replicas=2", "deploy.retries=0", "model.dtype=float32", f"run_dir={folder}"]
+    first: dict = {}
+    runner = threading.Thread(target=lambda: first.update(app.run(_compose(*args))))
+    runner.start()
+    deadline = time.monotonic() + 300
+    while not (folder / "records.jsonl").is_file() or not (folder / "records.jsonl").read_bytes().count(b"\n"):
+        assert runner.is_alive() and time.monotonic() < deadline, "the run recorded nothing"
+        time.sleep(0.05)
+    ray.kill(_victim(), no_restart=False)  # NOTE: mid-run: the other questions are in flight on both replicas
+    runner.join(timeout=300)
+    assert not runner.is_alive() and first["num_questions"] == 8
+    failed = [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines()]
+    failed = [r for r in failed if r["error"] is not None]
+    assert failed and all(r["error"].startswith("EngineUnavailable") and r["retryable"] for r in failed)
+    assert first["num_failed"] == len(failed) and not first["failures"].keys() - {"EngineUnavailable"}
+
+    resumed = app.run(_compose(*args, f"resume={folder}"))
+    assert resumed["complete"] and resumed["num_questions"] == 8 and resumed["num_failed"] == 0
+    records = [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines()]
+    assert sorted(r["index"] for r in records) == list(range(8))
+    retried = [json.loads(line)["index"] for line in (folder / "retried.jsonl").read_text().splitlines()]
+    assert sorted(retried) == sorted(r["index"] for r in failed)
+    assert {r["index"] for r in records if r["session"] == 1} == set(retried)
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(ray_serve):
+    """`deploy.min_replicas=1 max_replicas=2`: one replica at rest, a second one while more requests are in flight
+    than `target_ongoing_requests`, back to one when the load has gone (delays shortened from Ray's defaults)."""
+    import threading
+    import time
+
+    from ray import serve
+
+    from orthrus_rag.entrypoints.ray.app import APP_NAME, REPLICA, ray_client, replicas_of
+    from tests.test_app_config import _compose
+
+    cfg = _compose("deploy=ray", "deploy.min_replicas=1", "deploy.max_replicas=2", "deploy.replicas=1",
+                   "deploy.target_ongoing_requests=1", "deploy.upscale_delay_s=0", "deploy.downscale_delay_s=1",
+                   "cache.num_blocks=512", "model.dtype=float32")
+    client = ray_client(replicas_of(cfg))
+
+    def running() -> int:
+        return serve.status().applications[APP_NAME].deployments[REPLICA].replica_states.get("RUNNING", 0)
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 120
+        while running() != count:
+            assert time.monotonic() < deadline, f"still {running()} replicas, expected {count}"
+            time.sleep(0.5)
+
+    stop = threading.Event()
+
+    def keep_busy() -> None:  # one generation after another; 8 of these keep 8 in flight
+        while not stop.is_set():
+            client.handle.generate.remote("Tell a long story.", SamplingParams(max_tokens=32)).result()
+
+    try:
+        assert running() == 1
+        with ThreadPoolExecutor(8) as pool:
+            busy = [pool.submit(keep_busy) for _ in range(8)]
+            try:
+                wait_for(2)
+            finally:
+                stop.set()
+            for f in busy:
+                f.result(timeout=120)
+        wait_for(1)
+    finally:
+        asyncio.run(client.aclose())

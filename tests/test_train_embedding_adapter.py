@@ -69,3 +69,35 @@ def test_few_steps_lower_the_loss_and_the_engine_loads_the_adapter(tiny: Path, t
     assert pooler.ids([text], card["query_instruction"])[0] == adapted.prompt_token_ids
     assert torch.nn.functional.cosine_similarity(adapted.embedding, want, dim=0) > 0.99999
     assert torch.nn.functional.cosine_similarity(adapted.embedding, bare.embedding, dim=0) < 0.9999
+
+
+def test_a_full_fine_tune_extracts_back_to_an_adapter_the_engine_serves(tiny: Path, tmp_path: Path) -> None:
+    """`--full` trains every weight but the tied token embeddings into a checkpoint folder; extracting its
+    difference from the base at full rank (scripts/extract_adapter.py) gives an adapter whose engine embeddings
+    are the full model's."""
+    from safetensors.torch import load_file
+
+    script = _script()
+    full = tmp_path / "full"
+    summary = script.main(["--out", str(full), "--model", str(tiny), "--steps", "8", "--batch-size", "4",
+                           "--num-questions", "8", "--lr", "1e-3", "--max-len", "48", "--threads", "0",
+                           "--log-every", "100", "--full"])
+    assert summary["probe_loss_after"] < summary["probe_loss_before"], summary
+    tuned, base = load_file(str(full / "model.safetensors")), load_file(str(tiny / "model.safetensors"))
+    assert torch.equal(tuned["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # frozen
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(tuned[norm], base[norm])
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "extract_adapter.py"
+    spec = importlib.util.spec_from_file_location("extract_adapter", path)
+    extract = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extract)
+    adapter = tmp_path / "extracted"
+    extract.main([str(tiny), str(full), str(adapter), "--rank", "64"])  # 64: the tiny model's width, exact
+
+    text = "Who is the father of the director of film The Secret Orchard?"
+    params = PoolingParams(pooling="mean", instruction=script.QUERY_PREFIX)
+    opts = dict(num_blocks=64, max_num_batched_tokens=32, max_chunk_tokens=8, dtype="float32")
+    (want,) = Engine.from_pretrained(str(full), **opts).embed([text], params)
+    (got,) = Engine.from_pretrained(str(tiny), embedding_adapters=str(adapter), **opts).embed([text], params)
+    assert torch.nn.functional.cosine_similarity(got.embedding, want.embedding, dim=0) > 0.9999

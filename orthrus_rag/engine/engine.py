@@ -43,12 +43,14 @@ class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any,
                  adapter_slots: dict[str, int] | None = None, encoder: torch.nn.Module | None = None,
                  encoder_tokenizer: Any = None, encoder_pooling: dict | None = None,
-                 adapter_kinds: dict[str, str] | None = None) -> None:
+                 adapter_kinds: dict[str, str] | None = None,
+                 adapter_prefixes: dict[str, dict[str, str]] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.adapter_slots = dict(adapter_slots or {})
         # name -> "generate" | "embed" | "both"; an adapter without one embeds (the embedding_adapters' kind)
         self.adapter_kinds = dict(adapter_kinds or {})
+        self.adapter_prefixes = dict(adapter_prefixes or {})  # name -> input type -> prefix (the adapters' cards)
         self._space: EmbeddingSpace | None = None  # what `embedding_space` reports, made on first use
         self.encoder_pooling = encoder_pooling or {}
         device = torch.device(config.model.device)
@@ -104,7 +106,7 @@ class Engine:
         check_policy(config.scheduler.policy)  # NOTE: before any weights load
         loaded = load_models(config)
         return cls(config, loaded.model, loaded.tokenizer, loaded.adapter_slots, loaded.encoder,
-                   loaded.encoder_tokenizer, loaded.encoder_pooling, loaded.adapter_kinds)
+                   loaded.encoder_tokenizer, loaded.encoder_pooling, loaded.adapter_kinds, loaded.adapter_prefixes)
 
     # ---- submission -------------------------------------------------------------------------------------
     def _new_id(self, prefix: str) -> str:
@@ -177,7 +179,7 @@ class Engine:
     def add_embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                   request_id: str | None = None) -> str:
         route = self.embedding_route(params)
-        params = params if params is not None else self.default_pooling_params()
+        params = self.embedding_space.formatted(params) if params is not None else self.default_pooling_params()
         ids = self.inputs.embed_input(text, params, route.on_encoder)
         req = Request(request_id or self._new_id("emb"), RequestKind.EMBED, ids, pooling_params=params,
                       adapter_slot=route.slot, on_encoder=route.on_encoder)
@@ -193,7 +195,8 @@ class Engine:
         """What this engine's embeddings are (models, adapters, the encoder's pooling): the space its clients
         report and that owns the embedding route."""
         space = self._space
-        if space is None or space.adapter_slots != self.adapter_slots or space.adapter_kinds != self.adapter_kinds:
+        if space is None or (space.adapter_slots, space.adapter_kinds, space.adapter_prefixes) != (
+                self.adapter_slots, self.adapter_kinds, self.adapter_prefixes):
             # NOTE: built once; rebuilt if reassigned
             space = self._space = self._make_space()
         return space
@@ -205,7 +208,7 @@ class Engine:
                               tuple(mc.embedding_adapters), dict(self.adapter_slots), dict(self.encoder_pooling),
                               hidden_size=int(self.runner.model.config.hidden_size),
                               encoder_hidden_size=int(encoder.hidden_size) if encoder is not None else None,
-                              adapter_kinds=dict(self.adapter_kinds))
+                              adapter_kinds=dict(self.adapter_kinds), adapter_prefixes=dict(self.adapter_prefixes))
 
     def embedding_route(self, params: PoolingParams | None = None) -> EmbeddingRoute:
         """Where an embedding with `params` runs (ValueError for an unknown adapter)."""

@@ -9,7 +9,7 @@ adapters loaded as `model.embedding_adapters` are "embed", and the first of them
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orthrus_rag.params import PoolingParams
@@ -89,6 +89,8 @@ class EmbeddingSpace:
     hidden_size: int | None = None  # the backbone's width, where known without asking (in-process)
     encoder_hidden_size: int | None = None
     adapter_kinds: Mapping[str, str] = field(default_factory=dict)  # name -> generate | embed | both
+    # name -> {"query": prefix, "document": prefix}: an embedding adapter's card (embedding_formats.py)
+    adapter_prefixes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property
     def has_encoder(self) -> bool:
@@ -97,6 +99,16 @@ class EmbeddingSpace:
     def route(self, params: PoolingParams | None) -> EmbeddingRoute:
         """Where `params` embed: `route_embedding` (engine/routing.py) is the one owner of that rule."""
         return route_embedding(params, self.has_encoder, self.adapter_slots, self.adapter_kinds)
+
+    def formatted(self, params: PoolingParams) -> PoolingParams:
+        """`params` with the prefix that its adapter's card names for its `input_type` (the engine applies it, so
+        callers pass the bare query or document); unchanged with an `instruction` given, no input type, or no
+        card. Idempotent: the filled-in prefix is an instruction."""
+        if params.input_type is None or params.instruction is not None:
+            return params
+        route = self.route(params)
+        prefix = None if route.on_encoder else self.adapter_prefixes.get(route.adapter or "", {}).get(params.input_type)
+        return replace(params, instruction=prefix) if prefix else params
 
     def embedding_adapters(self) -> list[str]:
         """The loaded adapters an embedding may name, in load order."""

@@ -1,7 +1,8 @@
 """Console entry point `orthrus-rag`.
 
     orthrus-rag run [overrides...]     answer a dataset's questions (Hydra; e.g. dataset=2wiki dataset.path=...)
-    orthrus-rag run resume=RUN_DIR     continue a run that stopped: its recorded questions are skipped
+    orthrus-rag run resume=RUN_DIR     continue a run that stopped: its recorded questions are skipped, those
+                                       that failed retryably (a dead replica, a timeout) asked again
     orthrus-rag run -m scheduler=orthrus,hetero_fcfs ...   a sweep: one run folder per job under run_dir
     orthrus-rag summarize PATH...      table run folders (a sweep's jobs) side by side
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus

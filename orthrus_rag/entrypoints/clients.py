@@ -21,7 +21,8 @@ def build_client(cfg: Any):  # -> EngineClient
     if cfg.deploy.mode == "ray":
         from orthrus_rag.entrypoints.ray.app import ray_client, replicas_of
 
-        return ray_client(replicas_of(cfg), cfg.deploy.ray_address, cfg.deploy.ray_num_cpus, cfg.deploy.max_in_flight)
+        d = cfg.deploy
+        return ray_client(replicas_of(cfg), d.ray_address, d.ray_num_cpus, d.max_in_flight, d.retries)
     threads = tuple(cfg.deploy.threads) if cfg.deploy.threads else (1, 1)
     logger.info("starting the %s deployment (threads %s)", cfg.deploy.mode, threads)
     return start_deployment(cfg.deploy.mode, engine_config_from(cfg), threads)

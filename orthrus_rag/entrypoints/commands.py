@@ -36,9 +36,11 @@ def _pooling(cfg: Any, client: Any) -> tuple[Any, Any]:
         base = {"pooling": cfg.retriever.pooling, "normalize": True}
     # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does.
     # A query is what the next hop of a chain waits on: latency-critical (priority < 0) for the orthrus policy
-    return (PoolingParams(**base, truncate=True, adapter=adapter),
+    # An adapter whose card names query / document prefixes gets them by input type (EmbeddingSpace.formatted);
+    # retriever.query_instruction, when set, replaces the query's
+    return (PoolingParams(**base, truncate=True, adapter=adapter, input_type="document"),
             PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True, priority=-1,
-                          adapter=adapter))
+                          adapter=adapter, input_type="query"))
 
 
 def build_retriever(cfg: Any, client: Any, corpus: list, index_dir: Path | None,

@@ -22,8 +22,8 @@ from orthrus_rag.app_config import config_diff
 from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.stats import StepAggregator, StepStats
 from orthrus_rag.pipelines.evaluate import RunScores
-from orthrus_rag.pipelines.records import QARecord
-from orthrus_rag.pipelines.run_store import CONFIG, SUMMARY, RunStore
+from orthrus_rag.pipelines.records import QARecord, ask_again
+from orthrus_rag.pipelines.run_store import CONFIG, RETRIED, SUMMARY, RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,17 @@ class RunSession:
             raise ValueError(f"resume: the config differs from the one {self.folder} was started with:\n  "
                              + "\n  ".join(diff) + f"\n(`orthrus-rag run resume={self.folder}` alone continues "
                              "with the saved config)")
-        last = -1
-        for rec in self.store.read_records():
+        records = list(self.store.read_records())
+        self.session = max((r.session for r in records), default=-1) + 1  # NOTE: set-aside records' sessions too
+        again = [r for r in records if ask_again(r, self.cfg.retry_failed)]
+        if again:  # NOTE: records.jsonl keeps one record per question: the old ones go to retried.jsonl
+            records = [r for r in records if not ask_again(r, self.cfg.retry_failed)]
+            self.store.set_aside(again, records)
+            logger.info("resume: asking %d failed questions again (retry_failed=%s; their records are in %s)",
+                        len(again), self.cfg.retry_failed, self.store.folder / RETRIED)
+        for rec in records:
             self.scores.add(rec)
             self.done[rec.index] = rec.id
-            last = max(last, rec.session)
-        self.session = last + 1
         for row in self.store.read_steps():
             self.steps.add_row(row)
         summary = self.store.read_text(SUMMARY)

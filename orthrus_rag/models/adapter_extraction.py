@@ -85,12 +85,17 @@ def _layer_order(key: str) -> tuple[int, int]:
 
 
 def low_rank_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(A [r, in], B [out, r], energy kept) of the best rank-r approximation B @ A of `delta` [out, in]."""
+    """(A [rank, in], B [out, rank], energy kept) of the best rank-r approximation B @ A of `delta` [out, in].
+    A matrix narrower than `rank` is recovered exactly at its own rank and padded with zero rows of A and
+    columns of B: PEFT's `r` is one number for every module."""
     work = delta.double() if delta.numel() <= _SVD_FP64_MAX else delta.float()
     u, s, vh = torch.linalg.svd(work, full_matrices=False)
     r = min(rank, s.numel())
     energy = float((s[:r] ** 2).sum() / (s ** 2).sum()) if s.abs().max() > 0 else 1.0
-    return vh[:r].float().contiguous(), (u[:, :r] * s[:r]).float().contiguous(), energy
+    a = torch.zeros(rank, delta.shape[1], dtype=torch.float32)
+    b = torch.zeros(delta.shape[0], rank, dtype=torch.float32)
+    a[:r], b[:, :r] = vh[:r].float(), (u[:, :r] * s[:r]).float()
+    return a, b, energy
 
 
 def extract(base: dict[str, torch.Tensor], tuned: dict[str, torch.Tensor], rank: int

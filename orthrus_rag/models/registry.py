@@ -33,6 +33,15 @@ def _package_dir(package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def resolve_adapter_path(name: str | os.PathLike) -> Path:
+    """A LoRA adapter folder: one shipped with the package by its name (`smollm2_embed`, orthrus_rag/adapters/),
+    else the folder given."""
+    shipped = Path(__file__).resolve().parents[1] / "adapters" / str(name)
+    if Path(name).name == str(name) and not Path(name).is_dir() and shipped.is_dir():
+        return shipped
+    return Path(name).expanduser()
+
+
 def resolve_model_path(name: str) -> Path:
     """A checkpoint folder (safetensors + config + tokenizer) for a built-in name, folder, GGUF file or hub id."""
     if name in BUILTIN_MODELS:

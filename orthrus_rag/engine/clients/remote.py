@@ -27,7 +27,7 @@ from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 # PoolingParams fields a request may set over HTTP: the rest are the server's (its model's pooling)
-_REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority"}
+_REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority", "input_type"}
 
 
 class RemoteClient:
@@ -62,6 +62,7 @@ class RemoteClient:
                 raise RuntimeError(f"{self.name} serves no model")
             generation = cards[0].id
             extra = {c.id: (getattr(c, "kinds", None), getattr(c, "parent", None)) for c in cards}
+            prefixes = {c.id: p for c in cards if (p := getattr(c, "input_prefixes", None))}
             adapters = [c.id for c in cards[1:] if extra[c.id][1]]
             encoder = next((c.id for c in cards[1:] if c.id not in adapters), None)
             kinds = {}
@@ -69,7 +70,8 @@ class RemoteClient:
                 can = set(extra[name][0] or ["embed"])
                 kinds[name] = "both" if can == {"generate", "embed"} else next(iter(can))
             self._space = EmbeddingSpace(generation, encoder, tuple(adapters),
-                                         {a: i for i, a in enumerate(adapters, start=1)}, adapter_kinds=kinds)
+                                         {a: i for i, a in enumerate(adapters, start=1)}, adapter_kinds=kinds,
+                                         adapter_prefixes=prefixes)
         return self._space
 
     @property
@@ -125,6 +127,8 @@ class RemoteClient:
                                  "be set over the OpenAI API (choose the model by its adapter name instead)")
         route = space.route(params)
         model = route.adapter or (space.embedding_model if route.on_encoder else space.model)
+        if params is not None:  # NOTE: the adapter's prefix for the input type (its card, read from the server's)
+            params = space.formatted(params)
         prefix = (params.instruction if params is not None else None) or ""
         inputs = [prefix + t if isinstance(t, str) else list(t) for t in texts]
         if prefix and any(not isinstance(t, str) for t in texts):

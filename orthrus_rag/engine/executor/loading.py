@@ -12,12 +12,13 @@ import torch
 from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
+from orthrus_rag.embedding_formats import read_adapter_prefixes
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
 from orthrus_rag.machine import machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
-from orthrus_rag.models.registry import cache_root, resolve_model_path
+from orthrus_rag.models.registry import cache_root, resolve_adapter_path, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class LoadedModels:
     tokenizer: Any
     adapter_slots: dict[str, int] = field(default_factory=dict)
     adapter_kinds: dict[str, str] = field(default_factory=dict)  # name -> "generate" | "embed" | "both"
+    adapter_prefixes: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> input type -> prefix
     encoder: torch.nn.Module | None = None
     encoder_tokenizer: Any = None
     encoder_pooling: dict = field(default_factory=dict)
@@ -47,7 +49,9 @@ def load_models(config: EngineConfig) -> LoadedModels:
     slots: dict[str, int] = {}
     adapters = mc.loaded_adapters()
     kinds = {name: kind for name, (_, kind) in adapters.items()}
-    loaded = [load_peft_adapter(folder, name) for name, (folder, _) in adapters.items()]
+    folders = {name: resolve_adapter_path(folder) for name, (folder, _) in adapters.items()}
+    loaded = [load_peft_adapter(folder, name) for name, folder in folders.items()]
+    prefixes = {name: p for name, folder in folders.items() if (p := read_adapter_prefixes(folder))}
     if len(loaded) < len(mc.embedding_adapters) + len(mc.adapters):
         raise ValueError("two adapters share a name (an embedding adapter is named by its folder): "
                          f"{', '.join(list(mc.adapters) + [str(p) for p in mc.embedding_adapters])}")
@@ -70,7 +74,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:
             pack_linears(encoder)
-    return LoadedModels(model, tokenizer, slots, kinds, encoder, encoder_tokenizer, encoder_pooling)
+    return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling)
 
 
 def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device: str) -> bool:

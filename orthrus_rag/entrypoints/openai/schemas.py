@@ -149,6 +149,8 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = Field(None, max_length=256)
+    # Cohere's and Voyage's field: an embedding adapter with query / document prefixes gets the right one
+    input_type: Literal["query", "document"] | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -165,6 +167,8 @@ class ModelCard(BaseModel):
     owned_by: str = "orthrus-rag"
     kinds: list[str] = Field(default_factory=list)  # "generate", "embed": what requests may name it for
     parent: str | None = None  # an adapter's base model (vLLM's field for a LoRA)
+    # an embedding adapter's prefixes by input type ("query", "document"), applied by the server for `input_type`
+    input_prefixes: dict[str, str] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -11,7 +11,7 @@ import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -86,7 +86,8 @@ class OpenAIService:
     def _card(self, name: str) -> ModelCard:
         adapter = self.models.generators.get(name) or self.models.embedding.get(name)
         return ModelCard(id=name, created=self.created, kinds=self.models.kinds(name),
-                         parent=self.space.model if adapter else None)
+                         parent=self.space.model if adapter else None,
+                         input_prefixes=dict(self.space.adapter_prefixes.get(adapter or "", {})))
 
     def generation_adapter(self, model: str) -> str | None:
         """The adapter a completion or chat for `model` runs under (None: the base model), or a 404 naming the
@@ -103,6 +104,7 @@ class OpenAIService:
         inputs = _as_inputs(req.input, "input")
         adapter = self.models.embedding[req.model]
         params = self.space.default_pooling() if adapter is None else PoolingParams(adapter=adapter)
+        params = replace(params, input_type=req.input_type)  # NOTE: the engine prefixes an adapter's inputs
         width = self.space.dimension(self.space.route(params))
         if req.dimensions is not None and width is not None and req.dimensions != width:
             raise bad_request(f"dimensions={req.dimensions} is not supported: {req.model} gives {width}-dimensional "

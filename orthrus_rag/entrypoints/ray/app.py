@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from orthrus_rag.entrypoints.ray.client import RayServeClient
+from orthrus_rag.entrypoints.ray.client import RETRIES, RayServeClient
 from orthrus_rag.entrypoints.ray.replica import EngineReplica
 
 logger = logging.getLogger(__name__)
@@ -20,11 +20,12 @@ class OpenAIIngress:
     """The ingress replica: the OpenAI app over a `RayServeClient` of the engine replicas' handle."""
 
     def __init__(self, replicas: Any, model: str, served_model_name: str | None, api_key: str | None,
-                 default_max_tokens: int, max_in_flight: int, expected_replicas: int | None = None) -> None:
+                 default_max_tokens: int, max_in_flight: int, expected_replicas: int | None = None,
+                 retries: int = RETRIES) -> None:
         self.replicas = replicas  # a DeploymentHandle (Ray passes the bound EngineReplica as one)
         self.model, self.served_model_name, self.api_key = model, served_model_name, api_key
         self.default_max_tokens, self.max_in_flight = default_max_tokens, max_in_flight
-        self.expected_replicas = expected_replicas
+        self.expected_replicas, self.retries = expected_replicas, retries
 
     async def __serve_build_asgi_app__(self) -> Any:
         from orthrus_rag.engine.clients.deployment_client import load_tokenizer
@@ -32,7 +33,7 @@ class OpenAIIngress:
 
         info = await self.replicas.info.remote()
         client = RayServeClient(self.replicas, load_tokenizer(self.model), info["embedding_space"],
-                                self.max_in_flight, expected_replicas=self.expected_replicas)
+                                self.max_in_flight, expected_replicas=self.expected_replicas, retries=self.retries)
         return build_app(client, self.served_model_name, self.api_key, self.default_max_tokens)
 
 
@@ -65,7 +66,8 @@ def _replica_options(cfg: Any) -> dict[str, Any]:
     threads = d.num_threads or 1
     autoscaling = None if d.min_replicas is None else {
         "min_replicas": d.min_replicas, "max_replicas": d.max_replicas, "initial_replicas": d.replicas,
-        "target_ongoing_requests": d.target_ongoing_requests}
+        "target_ongoing_requests": d.target_ongoing_requests, "upscale_delay_s": d.upscale_delay_s,
+        "downscale_delay_s": d.downscale_delay_s}
     return dict(engine_config=replace(engine_config_from(cfg), num_threads=threads), replicas=d.replicas,
                 cpus_per_replica=threads, max_in_flight=d.max_in_flight, autoscaling=autoscaling,
                 gpus_per_replica=d.gpus_per_replica)
@@ -80,13 +82,13 @@ def application_of(cfg: Any, api_key: str | None = None) -> Any:
     """What `orthrus-rag serve deploy=ray` deploys: the replicas behind the OpenAI ingress."""
     s = cfg.serve
     return build_application(**_replica_options(cfg), served_model_name=s.served_model_name, api_key=api_key,
-                             default_max_tokens=s.default_max_tokens)
+                             default_max_tokens=s.default_max_tokens, retries=cfg.deploy.retries)
 
 
 def build_application(engine_config: Any, replicas: int = 1, cpus_per_replica: float = 1.0,
                       max_in_flight: int = 256, served_model_name: str | None = None, api_key: str | None = None,
                       default_max_tokens: int = 512, autoscaling: dict[str, Any] | None = None,
-                      gpus_per_replica: float = 0.0) -> Any:
+                      gpus_per_replica: float = 0.0, retries: int = RETRIES) -> Any:
     from ray import serve
 
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="OpenAIIngress",
@@ -94,7 +96,7 @@ def build_application(engine_config: Any, replicas: int = 1, cpus_per_replica: f
     return ingress.bind(replica_deployment(engine_config, replicas, cpus_per_replica, max_in_flight, autoscaling,
                                            gpus_per_replica),
                         engine_config.model.name, served_model_name, api_key, default_max_tokens, max_in_flight,
-                        (autoscaling or {}).get("min_replicas", replicas))
+                        (autoscaling or {}).get("min_replicas", replicas), retries)
 
 
 def _init_ray(address: str | None, num_cpus: int | None) -> bool:
@@ -130,7 +132,7 @@ def start(application: Any, host: str = "127.0.0.1", port: int = 8000, address: 
 
 
 def ray_client(application: Any, address: str | None = None, num_cpus: int | None = None,
-               max_in_flight: int = 8192) -> "RayServeClient":
+               max_in_flight: int = 8192, retries: int = RETRIES) -> "RayServeClient":
     """Deploy `application` (the replicas, `replicas_of`) with no HTTP route and return a `RayServeClient` over
     their handle (a run's client: no HTTP hop). Closing it deletes the application, and stops Ray if this call
     started it."""
@@ -144,7 +146,7 @@ def ray_client(application: Any, address: str | None = None, num_cpus: int | Non
     info = handle.info.remote().result()
     space = info["embedding_space"]
     return RayServeClient(handle, load_tokenizer(space.model), space, max_in_flight,
-                          on_close=lambda: _shutdown(started))
+                          on_close=lambda: _shutdown(started), retries=retries)
 
 
 def _shutdown(stop_ray: bool) -> None:

@@ -16,7 +16,7 @@ from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 
-RETRIES = 2  # a call whose replica died is sent again this many times (the router picks a live one)
+RETRIES = 2  # a call whose replica died is sent again this many times (the router picks a live one): deploy.retries
 
 
 def _replica_failures() -> tuple[type[BaseException], ...]:
@@ -28,8 +28,9 @@ def _replica_failures() -> tuple[type[BaseException], ...]:
 class RayServeClient:
     def __init__(self, handle: Any, tokenizer: Any, embedding_space: EmbeddingSpace, max_in_flight: int,
                  name: str = "ray-serve", on_close: Callable[[], None] | None = None,
-                 expected_replicas: int | None = None) -> None:
+                 expected_replicas: int | None = None, retries: int = RETRIES) -> None:
         self.handle = handle
+        self.retries = retries
         self.expected_replicas = expected_replicas
         self._on_close = on_close
         self.tokenizer = tokenizer
@@ -47,11 +48,11 @@ class RayServeClient:
         """`method` on some replica; sent again when its replica dies (nothing of it reached the caller yet), and
         `EngineUnavailable` (HTTP 503, retryable) once the retries are spent."""
         failures = _replica_failures()
-        for attempt in range(RETRIES + 1):
+        for attempt in range(self.retries + 1):
             try:
                 return await getattr(self.handle, method).remote(*args)
             except failures as exc:
-                if attempt == RETRIES:
+                if attempt == self.retries:
                     raise EngineUnavailable(f"the replica serving this request failed ({type(exc).__name__}); "
                                             "retry") from exc
         raise AssertionError("unreachable")
@@ -67,7 +68,7 @@ class RayServeClient:
         again), after it the stream ends with `EngineUnavailable` (its text so far was already sent)."""
         failures = _replica_failures()
         with self._counted(1):
-            for attempt in range(RETRIES + 1):
+            for attempt in range(self.retries + 1):
                 stream = self.handle.options(stream=True).generate_stream.remote(prompt, params)
                 done = started = False
                 try:
@@ -76,7 +77,7 @@ class RayServeClient:
                         yield snapshot
                     return
                 except failures as exc:
-                    if started or attempt == RETRIES:
+                    if started or attempt == self.retries:
                         raise EngineUnavailable(f"the replica serving this stream failed ({type(exc).__name__})"
                                                 "; retry") from exc
                 finally:

@@ -74,7 +74,7 @@ class EngineReplica:
         return {"replica": self.tag, "free": bm.num_free_blocks, "total": bm.num_blocks,
                 "unfinished": self.engine.has_unfinished()}
 
-    # ---- what Ray Serve asks ------------------------------------------------------------------------------------------
+    # ---- what Ray Serve asks -----------------------------------------------------------------------------------
     def record_routing_stats(self) -> dict[str, Any]:
         """The replica's outstanding work for the request router: tokens still to compute (prompt and embedding
         tokens not yet run, and each generation's remaining budget), not request counts."""

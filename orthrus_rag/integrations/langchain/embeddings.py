@@ -8,7 +8,8 @@ from orthrus_rag.integrations.langchain._base import OrthrusConnection
 
 
 class OrthrusEmbeddings(OrthrusConnection, Embeddings):
-    """Embeddings of documents and queries through the engine's /v1/embeddings semantics.
+    """Embeddings of documents and queries through the engine's /v1/embeddings semantics. Documents go as
+    `input_type="document"`, queries as `"query"`, so an embedding adapter with prefixes gets the right one.
 
     ```python
     emb = OrthrusEmbeddings(engine=engine)                      # in-process
@@ -29,18 +30,18 @@ class OrthrusEmbeddings(OrthrusConnection, Embeddings):
         texts = list(texts)
         out: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
-            out.extend(self.transport.embed(texts[start:start + self.batch_size], self._model()))
+            out.extend(self.transport.embed(texts[start:start + self.batch_size], self._model(), "document"))
         return out
 
     def embed_query(self, text: str) -> list[float]:
-        return self.transport.embed([text], self._model())[0]
+        return self.transport.embed([text], self._model(), "query")[0]
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
         texts = list(texts)
         out: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
-            out.extend(await self.transport.aembed(texts[start:start + self.batch_size], self._model()))
+            out.extend(await self.transport.aembed(texts[start:start + self.batch_size], self._model(), "document"))
         return out
 
     async def aembed_query(self, text: str) -> list[float]:
-        return (await self.transport.aembed([text], self._model()))[0]
+        return (await self.transport.aembed([text], self._model(), "query"))[0]
