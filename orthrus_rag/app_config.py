@@ -128,7 +128,8 @@ RETRY_FAILED = ("retryable", "all", "none")
 
 # settings that change how a run goes, not what it computes: a resumed run may change them
 OPERATIONAL_KEYS = ("run_dir", "resume", "retry_failed", "progress", "checkpoint_every", "pipeline.max_concurrency",
-                    "pipeline.question_timeout_s", "deploy.num_threads", "deploy.max_in_flight", "deploy.retries")
+                    "pipeline.question_timeout_s", "deploy.num_threads", "deploy.max_in_flight", "deploy.retries",
+                    "deploy.upscale_delay_s", "deploy.downscale_delay_s")
 
 
 def register_configs() -> None:
@@ -169,7 +170,7 @@ def validate(cfg: Any) -> None:
         if not resolve_adapter_path(adapter).is_dir():
             raise ValueError(f"model.embedding_adapters: no such folder: {adapter}")
     for name, adapter in cfg.model.adapters.items():
-        if not Path(adapter).is_dir():
+        if not resolve_adapter_path(adapter).is_dir():
             raise ValueError(f"model.adapters.{name}: no such folder: {adapter}")
     _check_adapter_names(cfg)
     for key in ("nlist", "nprobe", "hnsw_m"):

@@ -105,9 +105,10 @@ class RunStore:
             yield QARecord.from_json(row)
 
     def set_aside(self, again: list[QARecord], kept: list[QARecord]) -> None:
-        """Before `open()`, on resume: move the records of the questions to ask again to retried.jsonl, leaving
-        records.jsonl with `kept`. The set-aside lines are fsynced first and records.jsonl is then replaced
-        atomically, so a kill in between only repeats lines of retried.jsonl, never loses a record."""
+        """On resume, as the pipeline starts: move the records of the questions asked again to retried.jsonl,
+        leaving records.jsonl with `kept`. The set-aside lines are fsynced first and records.jsonl is then replaced
+        atomically (and reopened for appending), so a kill in between only repeats lines of retried.jsonl, never
+        loses a record."""
         def lines(recs: list[QARecord]) -> str:
             return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in recs)
 
@@ -119,8 +120,23 @@ class RunStore:
                 os.fsync(f.fileno())
         except OSError as exc:
             raise self._error(exc, path) from exc
+        was_open = self._records is not None
+        if was_open:  # NOTE: the replaced file is a new inode: an open handle would append to the old one
+            self._records.close()
+            self._records = None
         self.write_atomic(RECORDS, lines(kept))
         self.num_records = len(kept)
+        if was_open:
+            try:
+                self._records = _open_append(self.folder / RECORDS)
+                self._records_size = os.fstat(self._records.fileno()).st_size
+            except OSError as exc:
+                raise self._error(exc, self.folder / RECORDS) from exc
+
+    def read_retried(self) -> Iterator[QARecord]:
+        """The records earlier resumes set aside (retried.jsonl)."""
+        for row in self._read_rows(RETRIED, repair=False):
+            yield QARecord.from_json(row)
 
     def read_steps(self) -> Iterator[dict[str, Any]]:
         yield from self._read_rows(STEPS, repair=True)

@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     adapters = [str(a) for a in args.adapter] if "adapter" in args.configs else []
     if "adapter" in args.configs and not adapters:
         ap.error("--configs adapter needs --adapter")
+    if args.reference is not None and not adapters:
+        ap.error("--reference compares adapters to a full model: give --configs adapter --adapter ...")
+    if len({a.name for a in args.adapter}) < len(args.adapter):
+        ap.error("two --adapter folders share a name (the engine names adapters by their folders)")
     options = dict(num_threads=args.threads, max_num_batched_tokens=512, max_chunk_tokens=512, max_num_seqs=64)
     results, reference = [], None
 

@@ -90,14 +90,38 @@ def test_resume_asks_the_chosen_failed_questions_again(tmp_path, retry_failed, a
     examples, cfg = _folder_with_failures(tmp_path)
     session = _resume(tmp_path, cfg, retry_failed)
     assert [i for i, _ in session.remaining(examples)] == asked
+    assert len((tmp_path / RECORDS).read_text().splitlines()) == 4  # moved only once the pipeline starts
+    session.begin()
+    session.store.append_record(QARecord("new", "q", [], None, [], index=asked[0] if asked else 0))
     kept = [json.loads(line) for line in (tmp_path / RECORDS).read_text().splitlines()]
+    kept = [r for r in kept if r["id"] != "new"]
     assert sorted(r["index"] for r in kept) == sorted(set(range(4)) - set(asked))  # one record per question
+    assert len(kept) + 1 == len((tmp_path / RECORDS).read_text().splitlines())  # appends reach the new file
     aside = (tmp_path / RETRIED).read_text().splitlines() if (tmp_path / RETRIED).exists() else []
     assert sorted(json.loads(line)["index"] for line in aside) == asked
     assert session.scores.num_failed == 2 - len(asked)
     assert session.session == 1
     session.close()
 
+
+def test_a_session_number_is_never_reused(tmp_path):
+    """A resume whose re-asked questions all fail again, then a resume that sets them aside and dies before
+    recording anything: the next session's number is not the first resume's (its records are only in
+    retried.jsonl now); the session that left no trace at all may be numbered again."""
+    examples, cfg = _folder_with_failures(tmp_path)
+    first = _resume(tmp_path, cfg, "retryable")  # session 1: question 1 fails again
+    first.remaining(examples)
+    first.begin()
+    engine = FailingEngine({examples[1].question: EngineUnavailable("replica died")})
+    asyncio.run(first.consume(IterRetGen(engine, None, iterations=1).stream(first.remaining(examples))))
+    first.store.checkpoint(first.summary())
+    first.close()
+    second = _resume(tmp_path, cfg, "retryable")  # session 2: sets question 1 aside, then dies
+    second.remaining(examples)
+    second.begin()
+    second.close()
+    assert second.session == 2 and "synthetic_1" not in (tmp_path / RECORDS).read_text()
+    assert _resume(tmp_path, cfg, "retryable").session == 2
 
 def test_the_retried_questions_complete_the_run(tmp_path):
     """Resumed with a healthy backend, the run ends with every question answered and no failure left."""

@@ -85,8 +85,10 @@ def test_over_http_the_server_prefixes_by_input_type(backbone) -> None:
 
     texts, want = backbone.texts, backbone.want
     client = openai.OpenAI(base_url=backbone.server.url, api_key="unused", max_retries=0)
-    card = next(c for c in client.models.list() if c.id == "smollm2_embed")
-    assert card.input_prefixes == {"query": "query: ", "document": "passage: "}
+    cards = {c.id: c for c in client.models.list()}
+    assert cards["smollm2_embed"].input_prefixes == {"query": "query: ", "document": "passage: "}
+    # the base model's name embeds under the default adapter (there is no encoder): its card says so too
+    assert cards["smollm2-135m-instruct"].input_prefixes == cards["smollm2_embed"].input_prefixes
     for kind in ("query", "document", None):
         body = {"input_type": kind} if kind else None
         out = client.embeddings.create(model="smollm2_embed", input=texts, extra_body=body)

@@ -94,6 +94,7 @@ def test_a_full_fine_tune_extracts_back_to_an_adapter_the_engine_serves(tiny: Pa
     spec.loader.exec_module(extract)
     adapter = tmp_path / "extracted"
     extract.main([str(tiny), str(full), str(adapter), "--rank", "64"])  # 64: the tiny model's width, exact
+    assert (adapter / "orthrus_embedding.json").read_text() == (full / "orthrus_embedding.json").read_text()
 
     text = "Who is the father of the director of film The Secret Orchard?"
     params = PoolingParams(pooling="mean", instruction=script.QUERY_PREFIX)

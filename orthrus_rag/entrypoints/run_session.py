@@ -46,6 +46,7 @@ class RunSession:
         self.started = time.perf_counter()
         self.started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.labels: dict[str, Any] = {}  # what the run is (policy, retriever, dataset...): set by the app
+        self._set_aside: tuple[list[QARecord], list[QARecord]] | None = None  # (asked again, kept), on resume
         self._bar: Any = None
         if cfg.resume is None:
             if self.store.has_records():
@@ -72,23 +73,29 @@ class RunSession:
                              + "\n  ".join(diff) + f"\n(`orthrus-rag run resume={self.folder}` alone continues "
                              "with the saved config)")
         records = list(self.store.read_records())
-        self.session = max((r.session for r in records), default=-1) + 1  # NOTE: set-aside records' sessions too
         again = [r for r in records if ask_again(r, self.cfg.retry_failed)]
-        if again:  # NOTE: records.jsonl keeps one record per question: the old ones go to retried.jsonl
+        if again:  # NOTE: moved to retried.jsonl when the pipeline starts (begin), not before it could run
             records = [r for r in records if not ask_again(r, self.cfg.retry_failed)]
-            self.store.set_aside(again, records)
-            logger.info("resume: asking %d failed questions again (retry_failed=%s; their records are in %s)",
+            self._set_aside = (again, records)
+            logger.info("resume: asking %d failed questions again (retry_failed=%s; their records go to %s)",
                         len(again), self.cfg.retry_failed, self.store.folder / RETRIED)
         for rec in records:
             self.scores.add(rec)
             self.done[rec.index] = rec.id
+        step_sessions = set()
         for row in self.store.read_steps():
             self.steps.add_row(row)
+            step_sessions.add(row.get("session", -1))
         summary = self.store.read_text(SUMMARY)
         if summary is not None:  # NOTE: its last session may lag its records by up to checkpoint_every questions
             previous = json.loads(summary)
             self.previous_sessions = previous.get("sessions", [])
             self.labels = previous.get("config", {})  # until the app sets this session's
+        # NOTE: after every session that left a trace: a record, a set-aside record, a step row or the summary (a
+        # session may have ended before it recorded anything, or had all its records set aside since)
+        seen = [r.session for r in records + again] + [r.session for r in self.store.read_retried()]
+        seen += [s.get("session", -1) for s in self.previous_sessions] + list(step_sessions)
+        self.session = max(seen, default=-1) + 1
         logger.info("resuming %s: %d questions recorded, session %d", self.folder, len(self.done), self.session)
 
     # ---- the questions left -----------------------------------------------------------------------------
@@ -104,7 +111,11 @@ class RunSession:
 
     # ---- while the run goes -----------------------------------------------------------------------------
     def begin(self) -> None:
-        """The pipeline starts now (records' `finished_s`, and so the run's wall time, count from here)."""
+        """The pipeline starts now (records' `finished_s`, and so the run's wall time, count from here). The
+        records of the questions asked again leave records.jsonl now, not before the run could start."""
+        if self._set_aside is not None:
+            self.store.set_aside(*self._set_aside)
+            self._set_aside = None
         self.started = time.perf_counter()
 
     def observe(self, stats: StepStats) -> None:

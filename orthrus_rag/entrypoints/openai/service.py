@@ -86,8 +86,16 @@ class OpenAIService:
     def _card(self, name: str) -> ModelCard:
         adapter = self.models.generators.get(name) or self.models.embedding.get(name)
         return ModelCard(id=name, created=self.created, kinds=self.models.kinds(name),
-                         parent=self.space.model if adapter else None,
-                         input_prefixes=dict(self.space.adapter_prefixes.get(adapter or "", {})))
+                         parent=self.space.model if adapter else None, input_prefixes=self._prefixes(name))
+
+    def _prefixes(self, name: str) -> dict[str, str]:
+        """The prefixes an embedding for `name` gets by input type: its adapter's card (the base model's name
+        embeds under the default adapter when there is no encoder)."""
+        if name not in self.models.embedding:
+            return {}
+        adapter = self.models.embedding[name]
+        route = self.space.route(self.space.default_pooling() if adapter is None else PoolingParams(adapter=adapter))
+        return {} if route.on_encoder else dict(self.space.adapter_prefixes.get(route.adapter or "", {}))
 
     def generation_adapter(self, model: str) -> str | None:
         """The adapter a completion or chat for `model` runs under (None: the base model), or a 404 naming the
