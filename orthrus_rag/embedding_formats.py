@@ -43,3 +43,11 @@ def read_adapter_prefixes(folder: str | Path) -> dict[str, str]:
         return {}
     data = json.loads(card.read_text())
     return {kind: data[f"{kind}_instruction"] for kind in INPUT_TYPES if data.get(f"{kind}_instruction")}
+
+
+def adapter_prefixes(folders: dict[str, str | Path]) -> dict[str, dict[str, str]]:
+    """{adapter name: its card's prefixes} of the adapters (name -> folder or shipped name) that have a card: what
+    the engine loads and what a deployment's client reports, from one place."""
+    from orthrus_rag.models.registry import resolve_adapter_path
+
+    return {name: p for name, folder in folders.items() if (p := read_adapter_prefixes(resolve_adapter_path(folder)))}

@@ -179,7 +179,8 @@ class Engine:
     def add_embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                   request_id: str | None = None) -> str:
         route = self.embedding_route(params)
-        params = self.embedding_space.formatted(params) if params is not None else self.default_pooling_params()
+        params = self.embedding_space.formatted(params, route) if params is not None else \
+            self.default_pooling_params()
         ids = self.inputs.embed_input(text, params, route.on_encoder)
         req = Request(request_id or self._new_id("emb"), RequestKind.EMBED, ids, pooling_params=params,
                       adapter_slot=route.slot, on_encoder=route.on_encoder)

@@ -100,13 +100,13 @@ class EmbeddingSpace:
         """Where `params` embed: `route_embedding` (engine/routing.py) is the one owner of that rule."""
         return route_embedding(params, self.has_encoder, self.adapter_slots, self.adapter_kinds)
 
-    def formatted(self, params: PoolingParams) -> PoolingParams:
+    def formatted(self, params: PoolingParams, route: EmbeddingRoute | None = None) -> PoolingParams:
         """`params` with the prefix that its adapter's card names for its `input_type` (the engine applies it, so
         callers pass the bare query or document); unchanged with an `instruction` given, no input type, or no
-        card. Idempotent: the filled-in prefix is an instruction."""
+        card. Idempotent: the filled-in prefix is an instruction. `route`: `params`' route, when known already."""
         if params.input_type is None or params.instruction is not None:
             return params
-        route = self.route(params)
+        route = route or self.route(params)
         prefix = None if route.on_encoder else self.adapter_prefixes.get(route.adapter or "", {}).get(params.input_type)
         return replace(params, instruction=prefix) if prefix else params
 

@@ -26,11 +26,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from orthrus_rag.embedding_formats import read_adapter_prefixes
+from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.engine.clients.protocol import refuse_inside_event_loop
 from orthrus_rag.engine.deploy.spec import WorkerError
 from orthrus_rag.engine.routing import EmbeddingSpace
-from orthrus_rag.models.registry import resolve_adapter_path
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
@@ -276,7 +275,7 @@ def start_deployment(mode: str, config: Any, threads: tuple[int, ...]) -> Deploy
         raise
     # NOTE: the workers' engines name each adapter after its folder, in load order (slots from 1)
     slots = {Path(a).name: i for i, a in enumerate(mc.embedding_adapters, start=1)}
-    prefixes = {Path(a).name: p for a in mc.embedding_adapters if (p := read_adapter_prefixes(resolve_adapter_path(a)))}
+    prefixes = adapter_prefixes({Path(a).name: a for a in mc.embedding_adapters})
     space = EmbeddingSpace(mc.name, mc.embedding_model, tuple(mc.embedding_adapters), slots, encoder_pooling,
                            adapter_prefixes=prefixes)
     return DeploymentClient(deployment, name=f"{mode} {threads}", tokenizer=tokenizer, embedding_space=space)

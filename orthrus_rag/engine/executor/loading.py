@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.embedding_formats import read_adapter_prefixes
+from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
 from orthrus_rag.machine import machine_key, remembered
@@ -51,7 +51,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     kinds = {name: kind for name, (_, kind) in adapters.items()}
     folders = {name: resolve_adapter_path(folder) for name, (folder, _) in adapters.items()}
     loaded = [load_peft_adapter(folder, name) for name, folder in folders.items()]
-    prefixes = {name: p for name, folder in folders.items() if (p := read_adapter_prefixes(folder))}
+    prefixes = adapter_prefixes(folders)
     if len(loaded) < len(mc.embedding_adapters) + len(mc.adapters):
         raise ValueError("two adapters share a name (an embedding adapter is named by its folder): "
                          f"{', '.join(list(mc.adapters) + [str(p) for p in mc.embedding_adapters])}")
