@@ -1,10 +1,12 @@
 """Where a decode step's time goes, by the runner's parts: wall time of each, per step.
 
     python scripts/step_phases.py --threads 1 --batch 32 --dtype auto [--option linear_kernel=onednn]
+    python scripts/step_phases.py --threads 1 --batch 8 --prompt-len 256 --tokens 1   # prefill steps
 
 Wraps the engine's step, the runner's execute / prepare / forward, the attention backend's plan and forward,
-the C++ decode kernel, the logits and the sampler with timers (the torch profiler does not see the C++ kernel or
-Python between ops), runs `--batch` prompts of 33 tokens to `--tokens` new tokens and prints ms per step.
+the C++ decode and prefill kernels, the logits and the sampler with timers (the torch profiler does not see the C++
+kernels or Python between ops), runs `--batch` prompts of `--prompt-len` tokens to `--tokens` new tokens and prints
+ms per step.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=33)
+    ap.add_argument("--prompt-len", type=int, default=33, help="prompt tokens (256 with --tokens 1: prefill steps)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--option", action="append", default=[], help="an engine option NAME=VALUE; repeatable")
     args = ap.parse_args()
@@ -56,13 +59,16 @@ def main() -> None:
                                (runner_module.ModelRunner, "_forward", "model forward"),
                                (grouped, "plan", "attention plan"), (grouped, "forward", "attention (all layers)"),
                                (grouped, "decode_attention", "decode kernel (all layers)"),
+                               (grouped, "prefill_attention", "prefill kernel (all layers)"),
                                (scheduler_module.Scheduler, "schedule", "schedule"),
                                (scheduler_module.Scheduler, "update_from_output", "scheduler update"),
                                (engine.runner.model, "compute_logits", "logits"),
                                (engine.runner, "sampler", "sampler")]:
         timed(owner, name, label)
-    prompts = [[1] + list(range(100 + i, 132 + i)) for i in range(args.batch)]
-    engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    prompts = [[1] + list(range(100 + i, 99 + args.prompt_len + i)) for i in range(args.batch)]
+    # NOTE: warm up on other token ids: the measured prompts must not hit the prefix cache
+    warmup = [[t + 5000 for t in p] for p in prompts]
+    engine.generate(warmup, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     TOTALS.clear()
     steps = engine.num_steps
     engine.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))

@@ -1,4 +1,4 @@
-"""The CPU decode kernel's build: a lock file left by a killed build is cleared, a fresh one (a build running in
+"""The CPU kernels' build: a lock file left by a killed build is cleared, a fresh one (a build running in
 another process right now) is waited on as torch does."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 from torch.utils import cpp_extension
 
-from orthrus_rag.layers.attention import cpu_kernels
+from orthrus_rag.layers import cpu_extension
 
 
 def _lock(tmp_path, monkeypatch, age_s: float):
@@ -23,17 +23,17 @@ def _lock(tmp_path, monkeypatch, age_s: float):
 
 
 def test_a_stale_lock_is_removed(tmp_path, monkeypatch, caplog):
-    lock = _lock(tmp_path, monkeypatch, age_s=cpu_kernels.STALE_LOCK_S + 60)
-    assert cpu_kernels._clear_stale_lock(cpp_extension, "orthrus_test_build")
+    lock = _lock(tmp_path, monkeypatch, age_s=cpu_extension.STALE_LOCK_S + 60)
+    assert cpu_extension.clear_stale_lock(cpp_extension, "orthrus_test_build")
     assert not os.path.exists(lock) and "stale build lock" in caplog.text
 
 
 def test_a_fresh_lock_is_left_to_its_build(tmp_path, monkeypatch):
     lock = _lock(tmp_path, monkeypatch, age_s=5)
-    assert not cpu_kernels._clear_stale_lock(cpp_extension, "orthrus_test_build")
+    assert not cpu_extension.clear_stale_lock(cpp_extension, "orthrus_test_build")
     assert os.path.exists(lock)
 
 
 def test_no_lock_is_nothing_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert not cpu_kernels._clear_stale_lock(cpp_extension, "orthrus_none")
+    assert not cpu_extension.clear_stale_lock(cpp_extension, "orthrus_none")

@@ -13,7 +13,9 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.context import get_forward_context
+from orthrus_rag.layers.cpu_elementwise import add_rms_norm
 from orthrus_rag.layers.fused import fuse, project
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -157,6 +159,16 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      next_norm: RMSNorm) -> torch.Tensor:
+        """`forward` with each residual add fused into the norm after it (cpu_elementwise.add_rms_norm): `h` is
+        this layer's normed input, `residual` the running sum (updated in place); returns `next_norm` of the sum,
+        the next layer's normed input (or the model's output)."""
+        # NOTE: .forward, not __call__: the CPU fast path has no hooks, and __call__ costs ~1-2 us a module
+        h = add_rms_norm(self.self_attn.forward(h, cos, sin), residual, self.post_attention_layernorm.weight,
+                         self.post_attention_layernorm.eps)
+        return add_rms_norm(self.mlp.forward(h), residual, next_norm.weight, next_norm.eps)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
@@ -165,6 +177,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.config = config
+        self.fused_norms = False  # CausalLM.use_cpu_kernels: residual adds fused into the norms
         self.init_rotary()
 
     def init_rotary(self, device: str | torch.device = "cpu") -> None:
@@ -175,6 +188,11 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        if self.fused_norms:
+            h = self.layers[0].input_layernorm(x)  # NOTE: x, a fresh tensor, becomes the running residual sum
+            for layer, next_norm in zip(self.layers, [*(lr.input_layernorm for lr in self.layers[1:]), self.norm]):
+                h = layer.forward_fused(h, x, cos, sin, next_norm)
+            return h
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
@@ -208,6 +226,15 @@ class CausalLM(nn.Module):
             layer.self_attn.rotary = rotary
             if layer.mlp.act_mul is silu_mul:
                 layer.mlp.act_mul = act_mul
+
+    def use_cpu_kernels(self) -> None:
+        """Residual add + RMSNorm, rotary and SiLU-and-mul as the fused C++ kernels of layers/cpu_elementwise.py
+        (fp32 or bf16 on the CPU; callers check `cpu_elementwise.available`)."""
+        self.model.fused_norms = isinstance(self.model, DecoderModel)  # NOTE: Gemma 3's norms are (1 + w) x / rms
+        for layer in self.model.layers:
+            layer.self_attn.rotary = cpu_elementwise.rotary
+            if layer.mlp.act_mul is silu_mul:
+                layer.mlp.act_mul = cpu_elementwise.silu_mul
 
     def fuse_projections(self) -> None:
         """Q/K/V and gate/up as one GEMM each (layers/fused.py). Call once the weights are on their device."""

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.embedding_formats import adapter_prefixes
+from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
 from orthrus_rag.machine import machine_key, remembered
@@ -70,6 +71,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
     if mc.compile_elementwise and torch.device(mc.device).type == "cuda":
         model.compile_elementwise()
+    if mc.cpu_fused_kernels and torch.device(mc.device).type == "cpu" and cpu_elementwise.available(mc.torch_dtype):
+        model.use_cpu_kernels()
     if _use_onednn(mc.linear_kernel, model, mc.torch_dtype, mc.device):
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:

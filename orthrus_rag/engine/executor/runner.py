@@ -17,8 +17,9 @@ from orthrus_rag.engine.core.request import Request
 from orthrus_rag.engine.core.scheduler import SchedulerOutput
 from orthrus_rag.engine.executor.cuda_graphs import DecodeGraphs
 from orthrus_rag.engine.executor.step_timer import run_timed
-from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, select_backend
+from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, grouped, select_backend
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
+from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.lora import flat_lora_rows
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
@@ -51,7 +52,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, encoder: torch.nn.Module | None = None, max_num_batched_tokens: int = 2048,
                  attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0,
-                 cpu_decode_kernel: bool = False, eos_token_id: int | None = None) -> None:
+                 cpu_decode_kernel: bool = False, eos_token_id: int | None = None,
+                 cpu_prefill_kernel: bool = False) -> None:
         self.model = model
         self.eos_token_id = eos_token_id  # what a constrained row whose grammar allows nothing is left with
         self.vocab_size = int(model.lm_head.weight.shape[0])  # the logits' width (the grammar masks')
@@ -75,6 +77,9 @@ class ModelRunner:
         # CPU, fp32 or bf16: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
         self.decode_kernel = (cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                               and decode_kernel_available())
+        # CPU, bf16 on AVX512-BF16: prompt and embedding chunks attend in a C++ kernel (attention/cpu_prefill.py)
+        self.prefill_kernel = (cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
+                               and prefill_kernel_available(dtype, model.attention_layers[0].head_dim))
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
         if cuda_graphs and device.type == "cuda":
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.windows, self.num_slots,
@@ -124,6 +129,7 @@ class ModelRunner:
                              "(max_num_batched_tokens)")
         meta = build_metadata(query_lens, context_lens, tables, keeps, self.block_size, self.num_slots, self.device)
         meta.decode_kernel = self.decode_kernel
+        meta.prefill_kernel = self.prefill_kernel
         lora = [(slot, torch.tensor([r for rng in ranges for r in rng], dtype=torch.long, device=self.device))
                 for slot, ranges in sorted(lora_rows.items())]
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta, lora

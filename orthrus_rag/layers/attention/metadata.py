@@ -33,6 +33,7 @@ class AttentionMetadata:
     block_size: int
     plan: Any = field(default=None)  # the backend's per-step precomputation (index tensors, masks)
     decode_kernel: bool = False  # CPU: decodes through the C++ kernel where it is built (attention/cpu_kernels.py)
+    prefill_kernel: bool = False  # CPU, bf16: chunks through the C++ kernel (attention/cpu_prefill.py)
 
     @property
     def num_tokens(self) -> int:

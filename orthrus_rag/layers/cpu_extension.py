@@ -1,0 +1,81 @@
+"""The engine's C++ CPU kernels, built as one torch extension on first use per machine.
+
+Three sources make it up (layers/csrc/), each described by the module that calls it: decode attention over the
+paged cache (attention/cpu_kernels.py), chunked-prefill attention in AVX512-BF16 (attention/cpu_prefill.py), and
+the fused elementwise ops of a decoder layer: residual add + RMSNorm, rotary, SiLU-and-mul (cpu_elementwise.py).
+One build, not three: each costs ~30-60 s of compiling on a fresh machine.
+
+The build is compiled with `-march=native` into torch's extension cache under a name that carries the CPU model,
+the torch version and the sources (`machine_key`), so another CPU or an edited kernel builds anew. It needs a
+C++ compiler and ninja; where the build fails every caller keeps its pure-torch path (SDPA, eager ops).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from functools import lru_cache
+from typing import Any
+
+from orthrus_rag.layers.csrc import decode_attention, elementwise, prefill_attention
+from orthrus_rag.machine import machine_key
+
+logger = logging.getLogger(__name__)
+
+# a build takes ~30-60 s; a lock file older than this was left by a build that was killed (torch's loader would
+# wait on it forever: its lock is a bare O_EXCL file that names no owner)
+STALE_LOCK_S = 600.0
+_LOCK = threading.Lock()
+
+
+def _sources() -> list[str]:
+    return [decode_attention.SOURCE, prefill_attention.SOURCE, elementwise.SOURCE]
+
+
+FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_attention_supported", "add_rms_norm", "rotary",
+             "silu_mul"]
+
+
+def build_name() -> str:
+    """One build per CPU model, torch version and source: `-march=native` code must not run on another CPU."""
+    return f"orthrus_cpu_kernels_{machine_key(*_sources())}"
+
+
+@lru_cache(maxsize=1)
+def kernels() -> Any:
+    """The compiled extension, or None where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    with _LOCK:
+        try:
+            name = build_name()
+            clear_stale_lock(cpp_extension, name)
+            # NOTE: torch's loader reuses a build it finds; only the first use on a machine compiles
+            logger.info("loading the CPU kernels (compiled on first use per machine: ~30-60 s)")
+            return cpp_extension.load_inline(
+                name=name, cpp_sources=_sources(), functions=FUNCTIONS,
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                verbose=False)
+        except Exception as exc:  # NOTE: no compiler, no ninja, an unusual platform: the torch paths still work
+            logger.warning("CPU kernels unavailable (%s: %s); using torch's ops", type(exc).__name__, exc)
+            return None
+
+
+def clear_stale_lock(cpp_extension: Any, name: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build folder's lock file if it is older than `max_age_s`; True if one was removed."""
+    folder = cpp_extension._get_build_directory(name, False)  # NOTE: private, but the one place torch puts it
+    lock = os.path.join(folder, "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False  # another process may be building right now: wait for it, as torch does
+    logger.warning("removing a stale build lock %s (%.0f s old: a killed build left it)", lock, age)
+    try:
+        os.remove(lock)
+    except FileNotFoundError:  # NOTE: another process removed it first
+        pass
+    return True

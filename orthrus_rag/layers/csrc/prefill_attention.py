@@ -1,0 +1,216 @@
+"""C++ source of the CPU chunked-prefill attention kernel (its wrapper and notes: layers/attention/cpu_prefill.py)."""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+bool prefill_attention_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+constexpr int64_t RB = 4;      // query rows per block (rows of one KV head: (token, head-in-group), token-major)
+constexpr int64_t KB = 32;     // keys per score block (two 16-lane vectors)
+
+inline __m512 dot2(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+// e^x for x <= 0 (softmax arguments), ~2 ulp: 2^n * p(r), r = x - n ln2, a degree-6 polynomial (Cephes' expf)
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
+
+// out[RB][NV*16] = P[RB, keys] V[keys, dc : dc + NV*16]; V packed as pairs of keys per lane. Accumulators are
+// locals (registers): an array passed in by reference is spilled every iteration.
+template <int NV>
+inline void pv_block(const uint32_t* const* prow, const uint32_t* vp, int64_t D, int64_t jp0, int64_t jp1,
+                     int64_t dc, float* out) {
+  __m512 acc[RB][NV];
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t jp = jp0; jp < jp1; ++jp) {
+    __m512i vv[NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) vv[i] = _mm512_loadu_si512(vp + jp * D + dc + 16 * i);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < RB; ++r) {
+      const __m512i pb = _mm512_set1_epi32(static_cast<int>(prow[r][jp]));
+#pragma GCC unroll 4
+      for (int i = 0; i < NV; ++i) acc[r][i] = dot2(acc[r][i], pb, vv[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + (r * NV + i) * 16, acc[r][i]);
+}
+}  // namespace
+#endif
+
+// q [T, H, D], caches [slots, KVH, D], out [T, H, D]: bf16. Per sequence s: rows q_start[s] .. + q_len[s] at
+// positions ctx[s] .., keys key_slots[s, 0 .. ctx + q_len). Writes those rows of out.
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
+                       torch::Tensor q_len, torch::Tensor ctx_len, torch::Tensor key_slots, double scale,
+                       int64_t window, torch::Tensor out) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+              v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "prefill_attention: bfloat16 tensors");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+              key_slots.is_contiguous(), "prefill_attention: contiguous tensors");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH, S = q_start.size(0);
+  const int64_t W = key_slots.size(1);
+  TORCH_CHECK(D % 32 == 0 && H % KVH == 0 && k_cache.size(2) == D, "prefill_attention: head shapes");
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* cl = ctx_len.data_ptr<int64_t>();
+  const int64_t* slots = key_slots.data_ptr<int64_t>();
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // K of each (sequence, KV head) as [D/2][Lp] pairs of dims; V as [Lp/2][D] pairs of keys (dpbf16 operands)
+  std::vector<int64_t> pack_at(S + 1, 0), padded(S);
+  int64_t Lmax = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t L = cl[s] + ql[s];
+    TORCH_CHECK(L <= W, "prefill_attention: key_slots narrower than a sequence");
+    padded[s] = (L + KB - 1) / KB * KB;
+    Lmax = std::max(Lmax, padded[s]);
+    pack_at[s + 1] = pack_at[s] + KVH * padded[s] * D;  // in uint32 words: K and V share the offsets
+  }
+  std::vector<uint32_t> kpack(pack_at[S] / 2 + 1), vpack(pack_at[S] / 2 + 1);
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, h = item % KVH, L = cl[s] + ql[s], Lp = padded[s];
+      uint32_t* kd = kpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
+      uint32_t* vd = vpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
+      std::memset(kd, 0, Lp * D / 2 * 4);
+      std::memset(vd, 0, Lp * D / 2 * 4);
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t slot = slots[s * W + j];
+        const uint32_t* krow = reinterpret_cast<const uint32_t*>(kp + (slot * KVH + h) * D);
+        for (int64_t p = 0; p < D / 2; ++p) kd[p * Lp + j] = krow[p];
+        const uint16_t* vrow = vp + (slot * KVH + h) * D;
+        uint16_t* vdst = reinterpret_cast<uint16_t*>(vd + (j / 2) * D) + (j & 1);
+        for (int64_t d = 0; d < D; ++d) vdst[2 * d] = vrow[d];
+      }
+    }
+  });
+  // work items: (sequence, KV head, block of RB rows), zig-zagged so that contiguous halves cost alike (causal)
+  std::vector<int64_t> items;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r0 = 0; r0 < ql[s] * G; r0 += RB) items.push_back((s * KVH + h) << 32 | r0);
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < items.size(); ++i) order[i] = items[i % 2 == 0 ? i / 2 : items.size() - 1 - i / 2];
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sbuf(RB * Lmax);
+    std::vector<uint32_t> pbuf(RB * Lmax / 2);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t sh = order[it] >> 32, r0 = order[it] & 0xffffffff, s = sh / KVH, h = sh % KVH;
+      const int64_t n = ql[s], c = cl[s], L = c + n, Lp = padded[s], rows = n * G;
+      const uint32_t* kd = kpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
+      const uint32_t* vd = vpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
+      int64_t lim[RB], lo[RB];
+      const uint32_t* qrow[RB];
+      for (int64_t r = 0; r < RB; ++r) {
+        const int64_t rr = std::min(r0 + r, rows - 1), t = rr / G, g = rr % G;
+        lim[r] = c + t;  // last key this row sees
+        lo[r] = window > 0 ? std::max<int64_t>(0, lim[r] - window + 1) : 0;
+        qrow[r] = reinterpret_cast<const uint32_t*>(qp + ((qs[s] + t) * H + h * G + g) * D);
+      }
+      const int64_t jhi = std::min(Lp, (lim[RB - 1] + KB) / KB * KB);  // keys past every row's limit: skipped
+      const int64_t jlo = lo[0] / KB * KB;
+      for (int64_t jb = jlo; jb < jhi; jb += KB) {
+        __m512 acc[RB][2];
+        for (int64_t r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < D / 2; ++p) {
+          const __m512i k0 = _mm512_loadu_si512(kd + p * Lp + jb), k1 = _mm512_loadu_si512(kd + p * Lp + jb + 16);
+          for (int64_t r = 0; r < RB; ++r) {
+            const __m512i qb = _mm512_set1_epi32(static_cast<int>(qrow[r][p]));
+            acc[r][0] = dot2(acc[r][0], qb, k0);
+            acc[r][1] = dot2(acc[r][1], qb, k1);
+          }
+        }
+        for (int64_t r = 0; r < RB; ++r) {
+          _mm512_storeu_ps(sbuf.data() + r * Lmax + jb, acc[r][0]);
+          _mm512_storeu_ps(sbuf.data() + r * Lmax + jb + 16, acc[r][1]);
+        }
+      }
+      float inv[RB];
+      for (int64_t r = 0; r < RB; ++r) {
+        float* sr = sbuf.data() + r * Lmax;
+        const int64_t a = lo[r], b = std::min(lim[r] + 1, jhi);
+        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::max());
+        for (int64_t j = a; j < b; j += 16)
+          vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail(b - j), sr + j));
+        const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vsc = _mm512_set1_ps(sc);
+        // masked keys weigh 0 (P is read in whole blocks of KB keys)
+        for (int64_t j = jlo; j < a; ++j) sr[j] = 0.f;
+        for (int64_t j = b; j < jhi; ++j) sr[j] = 0.f;
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t j = a; j < b; j += 16) {
+          const __mmask16 k = tail(b - j);
+          const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + j), vm), vsc);
+          const __m512 e = _mm512_maskz_mov_ps(k, exp_neg(x));
+          _mm512_mask_storeu_ps(sr + j, k, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        inv[r] = 1.f / _mm512_reduce_add_ps(vsum);
+        uint16_t* pr = reinterpret_cast<uint16_t*>(pbuf.data() + r * Lmax / 2);
+        for (int64_t j = jlo; j < jhi; j += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + j)));
+      }
+      const uint32_t* prow[RB];
+      for (int64_t r = 0; r < RB; ++r) prow[r] = pbuf.data() + r * Lmax / 2;
+      const int64_t nv = D % 64 == 0 ? 4 : 2, chunk = nv * 16;
+      for (int64_t dc = 0; dc < D; dc += chunk) {
+        float obuf[RB * 64];
+        if (nv == 4) pv_block<4>(prow, vd, D, jlo / 2, jhi / 2, dc, obuf);
+        else pv_block<2>(prow, vd, D, jlo / 2, jhi / 2, dc, obuf);
+        for (int64_t r = 0; r < RB && r0 + r < rows; ++r) {
+          const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
+          uint16_t* orow = op + ((qs[s] + t) * H + h * G + g) * D + dc;
+          const __m512 scale_r = _mm512_set1_ps(inv[r]);
+          for (int64_t i = 0; i < nv; ++i) {
+            const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(obuf + (r * nv + i) * 16), scale_r);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 16 * i), (__m256i)_mm512_cvtneps_pbh(o));
+          }
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "prefill_attention: built without AVX512-BF16");
+#endif
+}
+"""

@@ -1,0 +1,104 @@
+"""The CPU extension's kernels against the torch ops they replace, one thread, SmolLM2-135M's shapes.
+
+    python scripts/bench_cpu_kernels.py [--threads 1] [--dtype bfloat16]
+
+Attention: the prefill kernel (attention/cpu_prefill.py) against torch's SDPA on the same bf16 inputs, causal
+over a chunk's own keys and after a cached prefix, with the largest error of each to an fp32 reference.
+Elementwise: residual add + RMSNorm, rotary (q and k) and SiLU-and-mul (layers/cpu_elementwise.py) against the
+eager ops, at 1, 32 and 256 rows (a decode at batch 1 and 32, a prefill chunk). Prints one JSON line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from orthrus_rag.layers import cpu_elementwise
+from orthrus_rag.layers.attention import cpu_prefill
+from orthrus_rag.models.llama import RMSNorm, apply_rotary
+
+H, KVH, D, HIDDEN, INTER = 9, 3, 64, 576, 1536  # SmolLM2-135M
+
+
+def _us(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def attention(dtype: torch.dtype) -> None:
+    for new, keys in [(32, 32), (256, 256), (512, 512), (64, 512), (256, 1024)]:
+        g = torch.Generator().manual_seed(0)
+        slots = keys + 16
+        k_cache = torch.randn(slots, KVH, D, generator=g).to(dtype)
+        v_cache = torch.randn(slots, KVH, D, generator=g).to(dtype)
+        order = torch.randperm(slots, generator=g)[:keys]  # a paged cache: keys scattered over its slots
+        q = torch.randn(new, H, D, generator=g).to(dtype)
+        k, v = k_cache[order].transpose(0, 1)[None], v_cache[order].transpose(0, 1)[None]
+        mask = (torch.arange(keys)[None, :] <= torch.arange(keys - new, keys)[:, None])[None, None]
+        exact = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float(), v.float(), attn_mask=mask,
+                                               enable_gqa=True)[0].transpose(0, 1)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=True)
+
+        row = {"attention": f"{new} new x {keys} keys", "sdpa_us": round(_us(sdpa), 1),
+               "sdpa_err": round((sdpa()[0].transpose(0, 1).float() - exact).abs().max().item(), 4)}
+        if cpu_prefill.prefill_kernel_available(dtype, D):
+            chunks = cpu_prefill.Chunks([0], torch.tensor([0]), torch.tensor([new]), torch.tensor([keys - new]),
+                                        order[None].contiguous())
+            out = torch.empty_like(q)
+
+            def kernel():
+                cpu_prefill.prefill_attention(q, k_cache, v_cache, chunks, D ** -0.5, None, out)
+
+            row["kernel_us"] = round(_us(kernel), 1)
+            row["kernel_err"] = round((out.float() - exact).abs().max().item(), 4)
+            row["speedup"] = round(row["sdpa_us"] / row["kernel_us"], 2)
+        print(json.dumps(row))
+
+
+def elementwise(dtype: torch.dtype) -> None:
+    for rows in (1, 32, 256):
+        x, res, w = (torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, HIDDEN).to(dtype),
+                     torch.randn(HIDDEN).to(dtype))
+        norm = RMSNorm(HIDDEN, 1e-5).to(dtype)
+        norm.weight.data = w
+        qkv = torch.randn(rows, (H + 2 * KVH) * D).to(dtype)
+        q, k = qkv[:, :H * D].view(rows, H, D), qkv[:, H * D:(H + KVH) * D].view(rows, KVH, D)
+        cos, sin = torch.randn(rows, D).to(dtype), torch.randn(rows, D).to(dtype)
+        gate, up = torch.randn(rows, 2 * INTER).to(dtype).split(INTER, dim=-1)
+        pairs = {
+            "add_rms_norm": (lambda: norm(res + x), lambda: cpu_elementwise.add_rms_norm(x, res.clone(), w, 1e-5)),
+            "rotary q+k": (lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
+                           lambda: (cpu_elementwise.rotary(q, cos, sin), cpu_elementwise.rotary(k, cos, sin))),
+            "silu_mul": (lambda: F.silu(gate) * up, lambda: cpu_elementwise.silu_mul(gate, up)),
+        }
+        for name, (eager, fused) in pairs.items():
+            e, f = _us(eager, 200), _us(fused, 200)
+            print(json.dumps({"op": name, "rows": rows, "eager_us": round(e, 1), "fused_us": round(f, 1),
+                              "speedup": round(e / f, 2)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if not cpu_elementwise.available(dtype):
+        raise SystemExit("the CPU extension did not build here (needs a C++ compiler and ninja)")
+    attention(dtype)
+    elementwise(dtype)
+
+
+if __name__ == "__main__":
+    main()
