@@ -115,6 +115,28 @@ def test_fused_bf16_kernels_round_as_the_eager_ops_do(rows):
     assert torch.equal(cpu_elementwise.silu_mul(gate, up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_of_a_very_negative_gate_is_zero_not_nan(dtype):
+    gate, up = torch.tensor([[-100.0, -1e4, 100.0, 0.0]]).to(dtype), torch.ones(1, 4).to(dtype)
+    got = cpu_elementwise.silu_mul(gate, up)
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).float(), atol=1e-30, rtol=0)
+
+
+def test_a_full_delta_adapters_norms_are_not_fused(smol_path):
+    from orthrus_rag.layers.row_deltas import RowDeltaModule
+    from orthrus_rag.models.loader import load_decoder
+
+    model = load_decoder(smol_path, torch.bfloat16, "cpu")
+    layer = model.model.layers[3]
+    layer.post_attention_layernorm = RowDeltaModule(layer.post_attention_layernorm)  # what attach_full_deltas does
+    model.use_cpu_kernels()
+    assert not model.model.fused_norms  # the wrapper's per-slot deltas would be skipped
+    assert model.attention_layers[0].rotary is cpu_elementwise.rotary  # the rest still fuse
+    ids = torch.tensor([1, 504, 3458, 282])
+    assert torch.isfinite(_forward(model, ids, torch.arange(4))).all()
+
+
 def test_fused_fp32_kernels_are_close_to_the_eager_ops():
     x, res, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
     running = res.clone()

@@ -230,7 +230,12 @@ class CausalLM(nn.Module):
     def use_cpu_kernels(self) -> None:
         """Residual add + RMSNorm, rotary and SiLU-and-mul as the fused C++ kernels of layers/cpu_elementwise.py
         (fp32 or bf16 on the CPU; callers check `cpu_elementwise.available`)."""
-        self.model.fused_norms = isinstance(self.model, DecoderModel)  # NOTE: Gemma 3's norms are (1 + w) x / rms
+        # NOTE: only plain RMSNorms fuse: Gemma 3's are (1 + w) x / rms, and a full-delta adapter wraps a norm in
+        # a RowDeltaModule whose per-slot deltas the fused call would skip
+        norms = [self.model.norm] if isinstance(self.model, DecoderModel) else []
+        for layer in self.model.layers if norms else []:
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        self.model.fused_norms = bool(norms) and all(type(norm) is RMSNorm for norm in norms)
         for layer in self.model.layers:
             layer.self_attn.rotary = cpu_elementwise.rotary
             if layer.mlp.act_mul is silu_mul:

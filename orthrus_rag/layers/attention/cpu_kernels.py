@@ -37,8 +37,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """`k_cache.index_copy_(0, slot_mapping, k)` and the same for v, in one call: on the CPU where the kernels are
     built and each row's heads are contiguous (views of the fused projection's output are), else the torch ops."""
-    if (kernels() is not None and k_cache.device.type == "cpu" and k.dtype == k_cache.dtype
-            and k.stride(-1) == 1 and k.stride(1) == k.shape[2] and v.stride(-1) == 1 and v.stride(1) == v.shape[2]):
+    # NOTE: the device first: a CUDA fallback to this backend must not build the CPU extension
+    if (k_cache.device.type == "cpu" and k.dtype == k_cache.dtype and k.stride(-1) == 1 and k.stride(1) == k.shape[2]
+            and v.stride(-1) == 1 and v.stride(1) == v.shape[2] and kernels() is not None):
         kernels().write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     k_cache.index_copy_(0, slot_mapping, k)

@@ -96,7 +96,7 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   });
 }
 
-// q [B, H, D] in the caches' dtype (rows may be strided); returns [B, H, D] in it.
+// q [B, H, D] (rows may be strided); returns [B, H, D] in q's dtype, computed in the caches'.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor key_slots, torch::Tensor seq_lens, double scale, int64_t window) {
   const auto kind = k_cache.scalar_type();
@@ -105,12 +105,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && key_slots.is_contiguous() &&
               seq_lens.is_contiguous(), "decode_attention: contiguous caches and indices");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2), "decode_attention: head shapes");
-  if (q.scalar_type() != kind) q = q.to(kind);
+  const auto q_kind = q.scalar_type();
+  if (q_kind != kind) q = q.to(kind);
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // heads of a row: one contiguous run
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (kind == torch::kFloat) attend<float>(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
   else attend<at::BFloat16>(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
-  return out;
+  return q_kind == kind ? out : out.to(q_kind);
 }
 
 // The step's new K and V rows into the paged caches: rows of k / v [T, KVH, D] (rows strided: views of the fused
@@ -118,8 +119,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping) {
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
-              k.sizes() == v.sizes() && k.dim() == 3 && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
-              "write_kv: shapes or dtypes");
+              k.sizes() == v.sizes() && k.dim() == 3 && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2) &&
+              k_cache.sizes() == v_cache.sizes() && slot_mapping.numel() == k.size(0), "write_kv: shapes or dtypes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous() &&
               slot_mapping.scalar_type() == torch::kLong, "write_kv: contiguous caches, int64 slots");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),

@@ -88,7 +88,8 @@ void silu_mul(const T* gate, int64_t gs, const T* up, int64_t us, T* out, int64_
 #pragma omp simd
       for (int64_t d = 0; d < n; ++d) {
         const float a = K::load(g[d]);
-        o[d] = K::store(held<K>(a / (1.f + std::exp(-a))) * K::load(u[d]));
+        // NOTE: exp's argument capped: fast-math's reciprocal of an infinite 1 + e^-a would be NaN, not 0
+        o[d] = K::store(held<K>(a / (1.f + std::exp(std::min(-a, 88.f)))) * K::load(u[d]));
       }
     }
   });

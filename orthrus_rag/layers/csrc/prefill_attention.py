@@ -104,16 +104,14 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     TORCH_CHECK(L <= W, "prefill_attention: key_slots narrower than a sequence");
     padded[s] = (L + KB - 1) / KB * KB;
     Lmax = std::max(Lmax, padded[s]);
-    pack_at[s + 1] = pack_at[s] + KVH * padded[s] * D;  // in uint32 words: K and V share the offsets
+    pack_at[s + 1] = pack_at[s] + KVH * padded[s] * D;  // in bf16 elements (halved for the uint32 pairs)
   }
-  std::vector<uint32_t> kpack(pack_at[S] / 2 + 1), vpack(pack_at[S] / 2 + 1);
+  std::vector<uint32_t> kpack(pack_at[S] / 2 + 1), vpack(pack_at[S] / 2 + 1);  // NOTE: zeroed: padding keys
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, h = item % KVH, L = cl[s] + ql[s], Lp = padded[s];
       uint32_t* kd = kpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
       uint32_t* vd = vpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
-      std::memset(kd, 0, Lp * D / 2 * 4);
-      std::memset(vd, 0, Lp * D / 2 * 4);
       for (int64_t j = 0; j < L; ++j) {
         const int64_t slot = slots[s * W + j];
         const uint32_t* krow = reinterpret_cast<const uint32_t*>(kp + (slot * KVH + h) * D);
