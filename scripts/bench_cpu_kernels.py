@@ -52,7 +52,7 @@ def attention(dtype: torch.dtype) -> None:
         row = {"attention": f"{new} new x {keys} keys", "sdpa_us": round(_us(sdpa), 1),
                "sdpa_err": round((sdpa()[0].transpose(0, 1).float() - exact).abs().max().item(), 4)}
         if cpu_prefill.prefill_kernel_available(dtype, D):
-            chunks = cpu_prefill.Chunks([0], torch.tensor([0]), torch.tensor([new]), torch.tensor([keys - new]),
+            chunks = cpu_prefill.Chunks(torch.tensor([0]), torch.tensor([new]), torch.tensor([keys - new]),
                                         order[None].contiguous())
             out = torch.empty_like(q)
 

@@ -74,6 +74,18 @@ def test_prefill_kernel_takes_one_long_chunk_over_a_long_cached_prefix():
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
 
 
+def test_prefill_kernel_reads_strided_queries_as_they_are():
+    _needs_bf16_kernel()
+    meta, _, q, k, v, k_cache, v_cache = _scenario([(20, 40, True), (0, 9, True)], 9, 3, dim=64)
+    q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # the fused projection's output
+    strided = qkv[:, :9 * 64].view(-1, 9, 64)
+    assert not strided.is_contiguous()
+    want, _, _ = _run(_PrefillKernel, meta, q, k, v, k_cache, v_cache, None)
+    got, _, _ = _run(_PrefillKernel, meta, strided, k, v, k_cache, v_cache, None)
+    assert torch.equal(got, want)
+
+
 def test_the_kernel_is_bf16_only_and_says_so():
     _needs_bf16_kernel()
     assert not cpu_prefill.prefill_kernel_available(torch.float32, 64)

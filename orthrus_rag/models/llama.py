@@ -232,10 +232,11 @@ class CausalLM(nn.Module):
         (fp32 or bf16 on the CPU; callers check `cpu_elementwise.available`)."""
         # NOTE: only plain RMSNorms fuse: Gemma 3's are (1 + w) x / rms, and a full-delta adapter wraps a norm in
         # a RowDeltaModule whose per-slot deltas the fused call would skip
-        norms = [self.model.norm] if isinstance(self.model, DecoderModel) else []
-        for layer in self.model.layers if norms else []:
-            norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        self.model.fused_norms = bool(norms) and all(type(norm) is RMSNorm for norm in norms)
+        model = self.model
+        self.model.fused_norms = isinstance(model, DecoderModel) and all(
+            type(norm) is RMSNorm for norm in [model.norm, *(n for layer in model.layers
+                                                             for n in (layer.input_layernorm,
+                                                                       layer.post_attention_layernorm))])
         for layer in self.model.layers:
             layer.self_attn.rotary = cpu_elementwise.rotary
             if layer.mlp.act_mul is silu_mul:

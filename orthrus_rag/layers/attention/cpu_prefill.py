@@ -41,7 +41,6 @@ def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
 @dataclass
 class Chunks:
     """The sequences of a step whose chunks the kernel attends, planned once per step (int64, CPU)."""
-    seqs: list[int]
     q_start: torch.Tensor  # [S] first row of each chunk in the flat batch
     q_len: torch.Tensor  # [S] new tokens
     ctx_len: torch.Tensor  # [S] cached tokens before the chunk
@@ -51,5 +50,7 @@ class Chunks:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks,
                       scale: float, window: int | None, out: torch.Tensor) -> None:
     """Write the attention of the chunks' rows of q [T, H, D] into those rows of `out` [T, H, D] (bf16)."""
-    kernels().prefill_attention(q.contiguous(), k_cache, v_cache, chunks.q_start, chunks.q_len, chunks.ctx_len,
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:  # NOTE: strided rows are read as they are
+        q = q.contiguous()
+    kernels().prefill_attention(q, k_cache, v_cache, chunks.q_start, chunks.q_len, chunks.ctx_len,
                                 chunks.key_slots, scale, -1 if window is None else window, out)

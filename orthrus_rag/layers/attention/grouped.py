@@ -118,7 +118,7 @@ def _chunks(meta: AttentionMetadata, seqs: list[int]) -> Chunks:
     """The kernel's description of sequences `seqs`: no padding and no masks, it reads each one's own keys."""
     width = max(meta.context_lens[i] + meta.query_lens[i] for i in seqs)
     starts = meta.query_start_loc.index_select(0, torch.tensor(seqs)).long()
-    return Chunks(seqs, starts, torch.tensor([meta.query_lens[i] for i in seqs], dtype=torch.long),
+    return Chunks(starts, torch.tensor([meta.query_lens[i] for i in seqs], dtype=torch.long),
                   torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.long),
                   key_slots(meta, seqs, width).contiguous())
 

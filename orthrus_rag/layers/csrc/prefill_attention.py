@@ -74,7 +74,7 @@ inline void pv_block(const uint32_t* const* prow, const uint32_t* vp, int64_t D,
 }  // namespace
 #endif
 
-// q [T, H, D], caches [slots, KVH, D], out [T, H, D]: bf16. Per sequence s: rows q_start[s] .. + q_len[s] at
+// q [T, H, D] (rows strided), caches [slots, KVH, D], out [T, H, D] contiguous: bf16. Per sequence s: rows q_start[s] .. + q_len[s] at
 // positions ctx[s] .., keys key_slots[s, 0 .. ctx + q_len). Writes those rows of out.
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
                        torch::Tensor q_len, torch::Tensor ctx_len, torch::Tensor key_slots, double scale,
@@ -83,9 +83,12 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
               v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "prefill_attention: bfloat16 tensors");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+  // q's rows may be strided (a view of the fused Q/K/V output); each row's heads are one contiguous run
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              out.is_contiguous() &&
               key_slots.is_contiguous(), "prefill_attention: contiguous tensors");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH, S = q_start.size(0);
+  const int64_t q_row = q.stride(0);
   const int64_t W = key_slots.size(1);
   TORCH_CHECK(D % 32 == 0 && H % KVH == 0 && k_cache.size(2) == D, "prefill_attention: head shapes");
   const int64_t* qs = q_start.data_ptr<int64_t>();
@@ -144,7 +147,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
         const int64_t rr = std::min(r0 + r, rows - 1), t = rr / G, g = rr % G;
         lim[r] = c + t;  // last key this row sees
         lo[r] = window > 0 ? std::max<int64_t>(0, lim[r] - window + 1) : 0;
-        qrow[r] = reinterpret_cast<const uint32_t*>(qp + ((qs[s] + t) * H + h * G + g) * D);
+        qrow[r] = reinterpret_cast<const uint32_t*>(qp + (qs[s] + t) * q_row + (h * G + g) * D);
       }
       const int64_t jhi = std::min(Lp, (lim[RB - 1] + KB) / KB * KB);  // keys past every row's limit: skipped
       const int64_t jlo = lo[0] / KB * KB;
