@@ -46,6 +46,8 @@ class ModelConfig:
     cpu_prefill_kernel: bool = True
     # on CPU, fp32 or bf16: residual add + RMSNorm, rotary and SiLU-and-mul as fused C++ kernels (else torch ops)
     cpu_fused_kernels: bool = True
+    # on CPU: the sampler's draw from each row's probabilities in a C++ kernel (else an fp64 cumsum in torch)
+    cpu_sample_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -1,10 +1,15 @@
-"""Sampler contracts: greedy is argmax, filters collapse to argmax, seeds reproduce, frequencies match."""
+"""Sampler contracts: greedy is argmax, filters collapse to argmax, seeds reproduce, frequencies match, the C++ and
+torch draws agree."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
-from orthrus_rag.layers.sampler import Sampler, make_generator
+from orthrus_rag.layers.cpu_extension import kernels
+from orthrus_rag.layers.sampler import Sampler, inverse_cdf, make_generator, sample_logits
 from orthrus_rag.params import SamplingParams
 
 VOCAB = 50
@@ -58,8 +63,9 @@ def test_top_k_and_top_p_restrict_support() -> None:
     assert set(out_p.tolist()) <= {0, 1, 2} and 2 in out_p.tolist()
 
 
-def _seeded_run(logits: torch.Tensor, params: list[SamplingParams], steps: int) -> list[list[int]]:
-    sampler = Sampler()
+def _seeded_run(logits: torch.Tensor, params: list[SamplingParams], steps: int,
+                sampler: Sampler | None = None) -> list[list[int]]:
+    sampler = sampler or Sampler()
     generators = [make_generator(p.seed) for p in params]
     return [sampler(logits, params, generators).tolist() for _ in range(steps)]
 
@@ -104,3 +110,86 @@ def test_unseeded_sampling_varies() -> None:
     sampler = Sampler()
     tokens = {sampler(logits, [SamplingParams(temperature=1.0)], [None]).item() for _ in range(20)}
     assert len(tokens) > 1
+
+
+# The draw: one uniform per row through the inverse CDF, in C++ on the CPU (layers/csrc/sampling.py) or in
+# torch's ops; both must pick the same tokens, never a zero-probability one, at any vocabulary size.
+BIG_VOCAB = 49152  # SmolLM2's: 192 blocks of the kernel's 256
+
+
+def _big_logits(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, BIG_VOCAB, generator=g) * 3
+
+
+def test_kernel_and_torch_draws_agree() -> None:
+    """Same uniforms, same tokens: the probabilities' kernel exactly, the fused logits kernel up to exp roundings."""
+    assert kernels() is not None, "the CPU extension must build here"
+    logits = _big_logits(64)
+    temperatures = torch.linspace(0.3, 2.0, 64)
+    u = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    reference = inverse_cdf(probs, u, use_kernel=False)
+    assert torch.equal(inverse_cdf(probs, u, use_kernel=True), reference)
+    fused = sample_logits(logits, temperatures, u)
+    assert (fused == reference).float().mean().item() >= 0.95
+    assert len(set(reference.tolist())) > 32  # really spread over the vocabulary
+
+
+def test_inverse_cdf_boundaries() -> None:
+    """u picks the token whose interval [cdf before, cdf) holds u * mass; zero-mass tokens never, at u = 0 or ~1."""
+    probs = torch.zeros(1, BIG_VOCAB)
+    probs[0, [0, 255, 256, BIG_VOCAB - 2]] = torch.tensor([0.25, 0.25, 0.3, 0.2])  # block edges, not the last id
+    cases = {0.0: 0, 0.2499: 0, 0.2501: 255, 0.4999: 255, 0.5001: 256, 0.7999: 256, 0.8001: BIG_VOCAB - 2,
+             1.0 - 2.0**-53: BIG_VOCAB - 2}
+    for use_kernel in (True, False):
+        for u, expected in cases.items():
+            got = inverse_cdf(probs, torch.tensor([u], dtype=torch.float64), use_kernel).item()
+            assert got == expected, (use_kernel, u, got)
+        # an unnormalised row (any scale) draws the same
+        got = inverse_cdf(probs * 7.0, torch.tensor([0.6], dtype=torch.float64), use_kernel).item()
+        assert got == 256
+
+
+def test_fused_draw_never_takes_masked_tokens() -> None:
+    logits = _big_logits(16, seed=3)
+    logits[:, 1::2] = float("-inf")  # a grammar's mask: every odd id
+    temperatures = torch.full((16,), 0.7)
+    for u in (0.0, 0.5, 1.0 - 2.0**-53):
+        ids = sample_logits(logits, temperatures, torch.full((16,), u, dtype=torch.float64))
+        assert bool((ids % 2 == 0).all()), u
+
+
+def test_row_without_mass_falls_back_to_argmax(caplog: pytest.LogCaptureFixture) -> None:
+    """A fully masked row takes its argmax with a warning; the other rows of the batch draw as usual."""
+    logits = _big_logits(3, seed=4)
+    logits[1] = float("-inf")
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
+    for use_kernel in (True, False):
+        with caplog.at_level(logging.WARNING, logger="orthrus_rag.layers.sampler"):
+            out = Sampler(use_kernel)(logits, params, [make_generator(p.seed) for p in params])
+        assert "no positive probability" in caplog.text
+        assert out[1].item() == 0
+        expected = Sampler(use_kernel)(logits[[0, 2]], [params[0], params[2]],
+                                       [make_generator(0), make_generator(2)])
+        assert out[[0, 2]].tolist() == expected.tolist()
+        caplog.clear()
+
+
+def test_big_vocabulary_frequencies_and_paths_agree() -> None:
+    """Three tokens far apart in a 49k vocabulary at p = (0.2, 0.3, 0.5): frequencies through the Sampler, and the
+    kernel and torch paths give the same seeded tokens (temperature only, and with top-p)."""
+    logits = torch.full((1, BIG_VOCAB), float("-inf"))
+    logits[0, [10, 300, 40000]] = torch.log(torch.tensor([0.2, 0.3, 0.5]))
+    n = 3000
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+    out = Sampler()(logits.expand(n, -1), params, [make_generator(p.seed) for p in params])
+    for token, p in ((10, 0.2), (300, 0.3), (40000, 0.5)):
+        assert abs((out == token).float().mean().item() - p) < 0.03  # ~3.5-4.3 sigma
+    rows = _big_logits(12, seed=5)
+    for extra in ({}, {"top_p": 0.9}):
+        params = [SamplingParams(temperature=0.8, seed=100 + i, **extra) for i in range(12)]
+        a = _seeded_run(rows, params, steps=5, sampler=Sampler(use_kernel=True))
+        b = _seeded_run(rows, params, steps=5, sampler=Sampler(use_kernel=False))
+        assert sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) >= 0.95 * 60
+

@@ -74,7 +74,8 @@ class Engine:
                                   config.scheduler.max_num_batched_tokens, config.model.attention_backend,
                                   config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel,
                                   min(self.eos_token_ids) if self.eos_token_ids else None,
-                                  cpu_prefill_kernel=config.model.cpu_prefill_kernel)
+                                  cpu_prefill_kernel=config.model.cpu_prefill_kernel,
+                                  cpu_sample_kernel=config.model.cpu_sample_kernel)
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
         if self.scheduler.cost_model is not None:
             calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)

@@ -53,7 +53,7 @@ class ModelRunner:
                  dtype: torch.dtype, encoder: torch.nn.Module | None = None, max_num_batched_tokens: int = 2048,
                  attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0,
                  cpu_decode_kernel: bool = False, eos_token_id: int | None = None,
-                 cpu_prefill_kernel: bool = False) -> None:
+                 cpu_prefill_kernel: bool = False, cpu_sample_kernel: bool = False) -> None:
         self.model = model
         self.eos_token_id = eos_token_id  # what a constrained row whose grammar allows nothing is left with
         self.vocab_size = int(model.lm_head.weight.shape[0])  # the logits' width (the grammar masks')
@@ -61,7 +61,7 @@ class ModelRunner:
         self.encoder = encoder
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_kernel=cpu_sample_kernel and device.type == "cpu")
         self.windows = {layer.window for layer in model.attention_layers}
         self.attn_backend = select_backend(attention_backend, device, dtype, model.attention_layers[0].head_dim)
         self.num_slots = num_blocks * block_size
