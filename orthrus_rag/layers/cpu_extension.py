@@ -35,8 +35,8 @@ def _sources() -> list[str]:
     return [decode_attention.SOURCE, prefill_attention.SOURCE, elementwise.SOURCE, sampling.SOURCE]
 
 
-FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_attention_supported", "add_rms_norm", "rotary",
-             "silu_mul", "sample_probs", "sample_logits"]
+FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_attention_supported", "add_rms_norm",
+             "rotary", "silu_mul", "sample_probs", "sample_logits"]
 
 
 def build_name() -> str:
