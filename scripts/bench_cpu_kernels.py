@@ -5,7 +5,10 @@
 Attention: the prefill kernel (attention/cpu_prefill.py) against torch's SDPA on the same bf16 inputs, causal
 over a chunk's own keys and after a cached prefix, with the largest error of each to an fp32 reference.
 Elementwise: residual add + RMSNorm, rotary (q and k) and SiLU-and-mul (layers/cpu_elementwise.py) against the
-eager ops, at 1, 32 and 256 rows (a decode at batch 1 and 32, a prefill chunk). Prints one JSON line per row.
+eager ops, at 1, 32 and 256 rows (a decode at batch 1 and 32, a prefill chunk).
+Sampler: a step's draw at temperature 0.7 over SmolLM2's 49,152 logits, every row seeded (as the benchmarks'
+requests are), at 1, 32 and 64 rows: `torch.multinomial` per row (what the sampler did before session 11), the
+Sampler on torch's ops (fp64 cumsum), and on the C++ kernel (layers/csrc/sampling.py). Prints one JSON line per row.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch.nn.functional as F
 
 from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.attention import cpu_prefill
+from orthrus_rag.layers.sampler import Sampler, make_generator
 from orthrus_rag.models.llama import RMSNorm, apply_rotary
+from orthrus_rag.params import SamplingParams
 
 H, KVH, D, HIDDEN, INTER = 9, 3, 64, 576, 1536  # SmolLM2-135M
 
@@ -87,6 +92,25 @@ def elementwise(dtype: torch.dtype) -> None:
                               "speedup": round(e / f, 2)}))
 
 
+def sampler(vocab: int = 49152, temperature: float = 0.7) -> None:
+    for rows in (1, 32, 64):
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+        params = [SamplingParams(temperature=temperature, seed=i) for i in range(rows)]
+        generators = [make_generator(i) for i in range(rows)]
+
+        def multinomial() -> torch.Tensor:  # the former draw: one multinomial per seeded row
+            probs = torch.softmax(logits / temperature, dim=-1)
+            return torch.stack([torch.multinomial(probs[i], 1, generator=g).squeeze(0)
+                                for i, g in enumerate(generators)])
+
+        old = _us(multinomial, reps=10)
+        torch_ops = _us(lambda: Sampler(use_kernel=False)(logits, params, generators), reps=10)
+        kernel = _us(lambda: Sampler(use_kernel=True)(logits, params, generators), reps=50)
+        print(json.dumps({"op": "sample", "rows": rows, "multinomial_us": round(old, 1),
+                          "torch_ops_us": round(torch_ops, 1), "kernel_us": round(kernel, 1),
+                          "speedup": round(old / kernel, 1)}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -98,6 +122,7 @@ def main() -> None:
         raise SystemExit("the CPU extension did not build here (needs a C++ compiler and ninja)")
     attention(dtype)
     elementwise(dtype)
+    sampler()
 
 
 if __name__ == "__main__":

@@ -61,15 +61,18 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, use_kernel: bool = True) -
         return _checked(k.sample_probs(probs.float().contiguous(), u.double()), probs)
     cdf = probs.double().cumsum(dim=-1)
     ids = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-    # NOTE: past the end only when the target rounded up to the total, or the row has no mass
-    return _checked(torch.where(ids < probs.size(1), ids, -1), probs)
+    # NOTE: past the end only when the target rounded up to the total, or the row has no mass; a drawn token of
+    # zero probability only if a parallel scan's (CUDA) roundings left its step of the CDF not quite flat
+    ids = ids.clamp(max=probs.size(1) - 1)
+    return _checked(torch.where(probs.gather(1, ids.unsqueeze(1)).squeeze(1) > 0, ids, -1), probs)
 
 
 def sample_logits(logits: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`inverse_cdf(softmax(logits / temperatures), u)` in one C++ pass per row that writes no probabilities
     (logits [m, V] fp32 on the CPU, -inf where masked; the kernels must be built)."""
-    ids = kernels().sample_logits(logits.contiguous(), (1.0 / temperatures).float().contiguous(), u.double())
-    return _checked(ids, logits)
+    # NOTE: 1/T capped: a temperature under ~3e-39 would make it inf, and 0 * inf NaN for the top token
+    inv_t = (1.0 / temperatures.double()).clamp(max=1e30).float().contiguous()
+    return _checked(kernels().sample_logits(logits.contiguous(), inv_t, u.double()), logits)
 
 
 def _checked(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -114,14 +117,30 @@ class Sampler:
 
     def _sample(self, params: list[SamplingParams], logits: torch.Tensor,
                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Token ids [m] for the non-greedy rows: temperature, the filters, one draw each."""
+        """Token ids [m] for the non-greedy rows: temperature, the filters, one draw each. Each row's path depends
+        on its own parameters only (rows without top-k / top-p always take the fused kernel on the CPU), so a
+        seeded request's tokens do not depend on its neighbours' filters either."""
         u = uniforms(generators, logits.device)
         temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-        if not _filters(params, logits.size(1)):
-            if self.use_kernel and logits.device.type == "cpu" and kernels() is not None:
-                return sample_logits(logits, temperatures, u)  # the serving default: one pass, no [m, V] temporaries
-            return inverse_cdf(torch.softmax(logits / temperatures.unsqueeze(1), dim=-1), u, self.use_kernel)
-        return inverse_cdf(self._probs(params, logits / temperatures.unsqueeze(1)), u, self.use_kernel)
+        vocab_size = logits.size(1)
+        filtered = [i for i, p in enumerate(params) if _filters(p, vocab_size)]
+        if not filtered:
+            return self._plain(logits, temperatures, u)
+        if len(filtered) == len(params):
+            return inverse_cdf(self._probs(params, logits / temperatures.unsqueeze(1)), u, self.use_kernel)
+        plain = [i for i in range(len(params)) if i not in set(filtered)]
+        ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        f, p = torch.tensor(filtered, device=logits.device), torch.tensor(plain, device=logits.device)
+        ids[p] = self._plain(logits[p], temperatures[p], u[p])
+        ids[f] = inverse_cdf(self._probs([params[i] for i in filtered], logits[f] / temperatures[f].unsqueeze(1)),
+                             u[f], self.use_kernel)
+        return ids
+
+    def _plain(self, logits: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Rows at temperature only: the fused kernel on the CPU (one pass, no [m, V] temporaries), else softmax."""
+        if self.use_kernel and logits.device.type == "cpu" and kernels() is not None:
+            return sample_logits(logits, temperatures, u)
+        return inverse_cdf(torch.softmax(logits / temperatures.unsqueeze(1), dim=-1), u, self.use_kernel)
 
     @staticmethod
     def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
@@ -146,6 +165,6 @@ class Sampler:
         return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
 
 
-def _filters(params: list[SamplingParams], vocab_size: int) -> bool:
-    """Whether any row restricts its support by top-k or top-p."""
-    return any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params)
+def _filters(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether a row restricts its support by top-k or top-p."""
+    return 0 < params.top_k < vocab_size or params.top_p < 1.0

@@ -21,6 +21,7 @@ from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, grou
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
+from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.lora import flat_lora_rows
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
 from orthrus_rag.layers.sampler import Sampler, token_logprobs
@@ -62,6 +63,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(use_kernel=cpu_sample_kernel and device.type == "cpu")
+        if self.sampler.use_kernel:
+            kernels()  # NOTE: the extension is built here, at start-up, not in the first sampled step
         self.windows = {layer.window for layer in model.attention_layers}
         self.attn_backend = select_backend(attention_backend, device, dtype, model.attention_layers[0].head_dim)
         self.num_slots = num_blocks * block_size

@@ -48,15 +48,20 @@ int64_t draw_row(const float* p, int64_t n, double u, std::vector<double>& sums)
   return -1;
 }
 
-// softmax(x * inv_t) drawn at u without writing the probabilities: a max pass, then a pass of exps into block
-// sums, then the chosen block's exps again. Masked logits (-inf, or below kMasked) weigh exactly 0. The build
-// has -ffast-math (no infinities assumed), so -inf is only ever compared, never computed with: its lanes are
-// blended to 0 and the exp's argument is clamped (also keeping libmvec's expf off its slow path for tiny values;
-// e^-80 ~ 1.8e-35 stands for anything smaller).
+// softmax(x * inv_t) drawn at u without writing the probabilities: a max pass, a pass of exps into block sums,
+// then the chosen block's exps again by the same vector loop (so its elements add up to its sum as the first pass
+// saw it). Masked logits (-inf, or below kMasked) weigh exactly 0. The build has -ffast-math (no infinities
+// assumed), so -inf is only ever compared, never computed with; the exp's argument is clamped at -80 (e^-80 ~
+// 1.8e-35 stands for anything smaller), which also keeps libmvec's expf off its slow path for tiny values.
 constexpr float kMasked = -1e30f;
-inline float weight(float x, float mx, float inv_t) {
-  const float e = std::exp(std::max((x - mx) * inv_t, -80.f));
-  return x > kMasked ? e : 0.f;
+
+inline void weights(const float* x, int64_t n, float mx, float inv_t, float* w) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const bool live = x[j] > kMasked;
+    const float e = std::exp(live ? std::max((x[j] - mx) * inv_t, -80.f) : -80.f);
+    w[j] = live ? e : 0.f;
+  }
 }
 
 int64_t draw_logits_row(const float* x, int64_t n, float inv_t, double u, std::vector<double>& sums) {
@@ -65,33 +70,34 @@ int64_t draw_logits_row(const float* x, int64_t n, float inv_t, double u, std::v
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
   if (!(mx > kMasked)) return -1;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
+  float w[kBlock];
   double total = 0.0;
   int64_t last = -1;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+    const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
+    weights(x + lo, len, mx, inv_t, w);
     double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = lo; j < hi; ++j) s += static_cast<double>(weight(x[j], mx, inv_t));
+    for (int64_t j = 0; j < len; ++j) s += static_cast<double>(w[j]);
     sums[b] = s;
     total += s;
     if (s > 0.0) last = b;
   }
-  if (last < 0) return -1;
+  if (last < 0 || !(total > 0.0)) return -1;
   const double target = u * total;
   double acc = 0.0;
   for (int64_t b = 0; b <= last; ++b) {
     if (!(sums[b] > 0.0)) continue;
     if (acc + sums[b] > target || b == last) {
-      const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+      const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
+      weights(x + lo, len, mx, inv_t, w);
       int64_t pick = -1;
-      for (int64_t j = lo; j < hi; ++j) {
-        const float w = weight(x[j], mx, inv_t);
-        if (!(w > 0.f)) continue;
-        pick = j;
-        acc += static_cast<double>(w);
-        if (acc > target) return j;
+      for (int64_t j = 0; j < len; ++j) {
+        if (!(w[j] > 0.f)) continue;
+        pick = lo + j;
+        acc += static_cast<double>(w[j]);
+        if (acc > target) return lo + j;
       }
-      return pick;
+      return pick;  // the target sat in the rounding of the last block's sum: its last drawable token
     }
     acc += sums[b];
   }
