@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-variants", type=_variants_arg, default=["default"], metavar="V1,V2,...",
                     help="vLLM columns: default (its own: dtype auto, torch.compile), eager, fp32, bf16, or tokens "
                          "joined by '+' (fp32+eager); the first is the headline of the ratio column")
+    ap.add_argument("--again", action="store_true",
+                    help="with --peers: measure the engine a second time after them (A-B-A), and take the ratio of "
+                         "the two runs' mean, so a host that speeds up or slows down during the run shows")
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"),
                     help="the interpreter with vllm installed (`make peers`)")
     ap.add_argument("--cpus", default=None, metavar="0|0,1|0-3",
@@ -218,11 +221,18 @@ def main() -> None:
                                          args.peer_timeout_s, args.peer_verbose)
             if peers[variant].get("error"):
                 print(f"[bench_engine] vLLM {variant} failed: {peers[variant]['error']}", file=sys.stderr)
-    table = format_table(ours, hf, peers)
+    again = None
+    if args.again and peers:
+        print("[bench_engine] orthrus_rag again, after the peers ...", file=sys.stderr, flush=True)
+        engine = Engine.from_pretrained(args.model, **options)
+        again = bench_ours(engine, tokenizer, args)
+        del engine
+    table = format_table(ours, hf, peers, again=again)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "cpus": cpus, "orthrus_rag": ours,
-                                                  "transformers": hf, "vllm": peers}, indent=2))
+                                                  "orthrus_rag_again": again, "transformers": hf, "vllm": peers},
+                                                 indent=2))
     (out / "table.md").write_text(table + "\n")
     print(table)
 

@@ -147,3 +147,14 @@ def test_bench_engine_refuses_early_without_vllm(tmp_path: Path, monkeypatch: py
     with pytest.raises(SystemExit, match="error: --peers vllm: .*does not exist"):
         be.main()  # before any engine is built or the process pinned
     assert os.sched_getaffinity(0) == affinity
+
+
+def test_table_with_a_second_engine_run_takes_the_mean() -> None:
+    """`--again`: the engine's run after the peers has its own column; the ratio is of the two runs' mean."""
+    peers = {"default": {"results": {"prefill_tok_s": 1000.0, "embed_per_s": 10.0}, "meta": {}, "error": None}}
+    lines = vcb.format_table({"prefill_tok_s": 900.0, "embed_per_s": 12.0}, {}, peers,
+                             again={"prefill_tok_s": 1300.0, "embed_per_s": 8.0}).splitlines()
+    assert lines[0] == ("| metric | orthrus_rag | orthrus_rag, after the peers | vllm default | "
+                        "orthrus (mean of both runs) / vllm default |")
+    assert lines[2] == "| prefill tok/s | 900.0 | 1,300.0 | 1,000.0 | 1.10x |"
+    assert lines[3] == "| embeddings/s | 12.0 | 8.0 | 10.0 | 1.00x |"

@@ -224,10 +224,12 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def format_table(ours: dict, hf: dict | None = None, peers: dict[str, dict] | None = None,
-                 show_transformers: bool | None = None) -> str:
+                 show_transformers: bool | None = None, again: dict | None = None) -> str:
     """The markdown table: one row per metric of `ours`; transformers' value and ratio, then one column per vLLM
     variant (peers: {variant: {"results", "meta", "error"}}, the first is the headline) and `orthrus / vllm`
-    against the headline. Without peers: bench_engine's original four columns."""
+    against the headline. Without peers: bench_engine's original four columns. `again`: the engine measured a
+    second time, after the peers: its own column, and the ratio is then of the two runs' mean (a host that
+    drifts during the run favours neither side)."""
     hf = hf or {}
     peers = peers or {}
     if not peers:
@@ -237,11 +239,16 @@ def format_table(ours: dict, hf: dict | None = None, peers: dict[str, dict] | No
         return "\n".join(rows)
     show_hf = bool(hf) if show_transformers is None else show_transformers
     names = list(peers)
-    head = ["metric", "orthrus_rag"] + (["transformers", "orthrus / transformers"] if show_hf else [])
-    head += [f"vllm {n}" for n in names] + [f"orthrus / vllm {names[0]}"]
+    head = ["metric", "orthrus_rag"] + (["orthrus_rag, after the peers"] if again is not None else [])
+    head += ["transformers", "orthrus / transformers"] if show_hf else []
+    head += [f"vllm {n}" for n in names]
+    head += [f"orthrus (mean of both runs) / vllm {names[0]}" if again is not None else f"orthrus / vllm {names[0]}"]
     rows = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for k, ours_k in ours.items():
         cells = [metric_label(k), _num(ours_k)]
+        if again is not None:
+            cells.append(_num(again.get(k)))
+            ours_k = (ours_k + again[k]) / 2 if again.get(k) is not None else ours_k
         if show_hf:
             cells += [_num(hf.get(k)), _ratio(ours_k, hf.get(k))]
         vals = [(p.get("results") or {}).get(k) for p in peers.values()]
