@@ -128,7 +128,7 @@ class Sampler:
             return self._plain(logits, temperatures, u)
         if len(filtered) == len(params):
             return inverse_cdf(self._probs(params, logits / temperatures.unsqueeze(1)), u, self.use_kernel)
-        plain = [i for i in range(len(params)) if i not in set(filtered)]
+        plain = sorted(set(range(len(params))) - set(filtered))
         ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
         f, p = torch.tensor(filtered, device=logits.device), torch.tensor(plain, device=logits.device)
         ids[p] = self._plain(logits[p], temperatures[p], u[p])
