@@ -188,22 +188,25 @@ def test_a_run_whose_replica_is_killed_resumes_to_a_complete_set(ray_serve, tmp_
     from orthrus_rag.entrypoints import commands as app
     from tests.test_app_config import _compose
 
-    folder = tmp_path / "run"
-    args = ["experiment=smoke", "dataset.num_questions=8", "pipeline.max_tokens=24", "retriever.k=2",
-            "progress=false", "cache.num_blocks=512", "scheduler.max_num_batched_tokens=64", "deploy=ray",
-            "deploy.replicas=2", "deploy.retries=0", "model.dtype=float32", f"run_dir={folder}"]
-    first: dict = {}
-    runner = threading.Thread(target=lambda: first.update(app.run(_compose(*args))))
-    runner.start()
-    deadline = time.monotonic() + 300
-    while not (folder / "records.jsonl").is_file() or not (folder / "records.jsonl").read_bytes().count(b"\n"):
-        assert runner.is_alive() and time.monotonic() < deadline, "the run recorded nothing"
-        time.sleep(0.05)
-    ray.kill(_victim(), no_restart=False)  # NOTE: mid-run: the other questions are in flight on both replicas
-    runner.join(timeout=300)
-    assert not runner.is_alive() and first["num_questions"] == 8
-    failed = [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines()]
-    failed = [r for r in failed if r["error"] is not None]
+    for attempt in range(3):  # NOTE: a kill that lands after the victim's last question fails nothing: run again
+        folder = tmp_path / f"run{attempt}"
+        args = ["experiment=smoke", "dataset.num_questions=8", "pipeline.max_tokens=24", "retriever.k=2",
+                "progress=false", "cache.num_blocks=512", "scheduler.max_num_batched_tokens=64", "deploy=ray",
+                "deploy.replicas=2", "deploy.retries=0", "model.dtype=float32", f"run_dir={folder}"]
+        first: dict = {}
+        runner = threading.Thread(target=lambda: first.update(app.run(_compose(*args))))
+        runner.start()
+        deadline = time.monotonic() + 300
+        while not (folder / "records.jsonl").is_file() or not (folder / "records.jsonl").read_bytes().count(b"\n"):
+            assert runner.is_alive() and time.monotonic() < deadline, "the run recorded nothing"
+            time.sleep(0.05)
+        ray.kill(_victim(), no_restart=False)  # NOTE: mid-run: the other questions are in flight on both replicas
+        runner.join(timeout=300)
+        assert not runner.is_alive() and first["num_questions"] == 8
+        failed = [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines()]
+        failed = [r for r in failed if r["error"] is not None]
+        if failed:
+            break
     assert failed and all(r["error"].startswith("EngineUnavailable") and r["retryable"] for r in failed)
     assert first["num_failed"] == len(failed) and not first["failures"].keys() - {"EngineUnavailable"}
 
