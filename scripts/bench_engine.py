@@ -206,9 +206,7 @@ def main() -> None:
                    num_blocks=max(1024, -(-max(args.batches) * (args.decode_prompt_len + args.decode_tokens) // 16)),
                    enable_prefix_caching=False)
     options.update(args.option)
-    engine = Engine.from_pretrained(args.model, **options)
-    ours = bench_ours(engine, tokenizer, args)
-    del engine
+    ours = bench_ours(Engine.from_pretrained(args.model, **options), tokenizer, args)
     hf = {} if args.skip_transformers else bench_hf(
         AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.transformers_dtype)).eval(),
         tokenizer, args)
@@ -224,9 +222,7 @@ def main() -> None:
     again = None
     if args.again and peers:
         print("[bench_engine] orthrus_rag again, after the peers ...", file=sys.stderr, flush=True)
-        engine = Engine.from_pretrained(args.model, **options)
-        again = bench_ours(engine, tokenizer, args)
-        del engine
+        again = bench_ours(Engine.from_pretrained(args.model, **options), tokenizer, args)
     table = format_table(ours, hf, peers, again=again)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -233,7 +233,7 @@ class CausalLM(nn.Module):
         # NOTE: only plain RMSNorms fuse: Gemma 3's are (1 + w) x / rms, and a full-delta adapter wraps a norm in
         # a RowDeltaModule whose per-slot deltas the fused call would skip
         model = self.model
-        self.model.fused_norms = isinstance(model, DecoderModel) and all(
+        model.fused_norms = isinstance(model, DecoderModel) and all(
             type(norm) is RMSNorm for norm in [model.norm, *(n for layer in model.layers
                                                              for n in (layer.input_layernorm,
                                                                        layer.post_attention_layernorm))])

@@ -74,8 +74,8 @@ inline void pv_block(const uint32_t* const* prow, const uint32_t* vp, int64_t D,
 }  // namespace
 #endif
 
-// q [T, H, D] (rows strided), caches [slots, KVH, D], out [T, H, D] contiguous: bf16. Per sequence s: rows q_start[s] .. + q_len[s] at
-// positions ctx[s] .., keys key_slots[s, 0 .. ctx + q_len). Writes those rows of out.
+// q [T, H, D] (rows strided), caches [slots, KVH, D], out [T, H, D] contiguous: bf16. Per sequence s: rows
+// q_start[s] .. + q_len[s] at positions ctx[s] .., keys key_slots[s, 0 .. ctx + q_len). Writes those rows of out.
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
                        torch::Tensor q_len, torch::Tensor ctx_len, torch::Tensor key_slots, double scale,
                        int64_t window, torch::Tensor out) {
