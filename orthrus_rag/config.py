@@ -46,6 +46,9 @@ class ModelConfig:
     cpu_prefill_kernel: bool = True
     # on CPU, fp32 or bf16: residual add + RMSNorm, rotary and SiLU-and-mul as fused C++ kernels (else torch ops)
     cpu_fused_kernels: bool = True
+    # on CPU, with cpu_fused_kernels: the decoder's layers in one C++ call per step (no Python between the
+    # kernels) where no adapter rows ride in it; else the Python loop of the same kernels
+    cpu_layer_loop: bool = True
     # on CPU: the sampler's draw from each row's probabilities in a C++ kernel (else an fp64 cumsum in torch)
     cpu_sample_kernel: bool = True
 

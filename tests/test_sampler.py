@@ -141,6 +141,20 @@ def test_kernel_and_torch_draws_agree(cpu_kernels: None) -> None:
     assert len(set(reference.tolist())) > 32  # really spread over the vocabulary
 
 
+def test_greedy_kernel_is_torch_argmax_bit_for_bit(cpu_kernels: None) -> None:
+    """First index of the max; a NaN is the max (the first one); -0.0 ties +0.0; all -inf rows take index 0."""
+    inf, nan = float("inf"), float("nan")
+    rows = [[-inf] * 5, [-0.0, 0.0, -1.0], [-1.0, -0.0, 0.0], [1.0, nan, 2.0, nan], [-nan, 1.0], [3.0, 3.0, 1.0],
+            [inf, inf, 1.0], [-5.0, -3.0, -3.0, -7.0], [1e-45, 0.0], [-1e-45, -0.0], [-inf, -3e38, -inf]]
+    greedy = Sampler(use_kernel=True)
+    for row in rows:
+        x = torch.tensor([row])
+        assert greedy._argmax(x).tolist() == x.argmax(dim=-1).tolist(), row
+    logits = _big_logits(33)
+    logits[5, 100:200] = logits[5].max()  # a tie over many entries: the first
+    assert torch.equal(greedy(logits, [SamplingParams(temperature=0.0)] * 33, [None] * 33), logits.argmax(dim=-1))
+
+
 def test_inverse_cdf_boundaries() -> None:
     """u picks the token whose interval [cdf before, cdf) holds u * mass; zero-mass tokens never, at u = 0 or ~1."""
     probs = torch.zeros(1, BIG_VOCAB)

@@ -49,6 +49,13 @@ _POINTWISE = _pointwise_op()
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _POINTWISE is not None else None
 
 
+_GENERATION = [0]  # bumped by every pack_module: holders of packed weights (cpu_layer_loop.py) gather them anew
+
+
+def pack_generation() -> int:
+    return _GENERATION[0]
+
+
 def packed_layout() -> str:
     """Which oneDNN copy `pack_module` makes here (part of a remembered kernel choice's key)."""
     return "blocked" if _REORDER is not None else "mkldnn"
@@ -93,6 +100,7 @@ def pack_module(module: nn.Linear) -> None:
                                                                                   dtype=weight.dtype))
         # NOTE: a plain attribute, not a buffer: it must not reach state_dict or `.to()`
         module._onednn = packed  # type: ignore[assignment]
+        _GENERATION[0] += 1
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -106,14 +106,20 @@ class Sampler:
         logits = logits.float()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:  # NOTE: greedy rows are exactly torch.argmax of the row (transformers' greedy search)
-            return logits.argmax(dim=-1)
+            return self._argmax(logits)
         if len(random_rows) == len(params):  # the common serving case: no row gather, no argmax over the vocab
             return self._sample(params, logits, generators)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = self._argmax(logits)
         rows = torch.tensor(random_rows, device=logits.device)
         token_ids[rows] = self._sample([params[i] for i in random_rows], logits[rows],
                                        [generators[i] for i in random_rows])
         return token_ids
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits.argmax(dim=-1)`, bit for bit; on the CPU a C++ pass per row: torch's CPU argmax runs ~15x
+        slower than its max over the same rows (2 ms of a 32-row decode step over SmolLM2's vocabulary)."""
+        k = kernels() if self.use_kernel and logits.device.type == "cpu" and logits.size(1) > 0 else None
+        return k.argmax_rows(logits.contiguous()) if k is not None else logits.argmax(dim=-1)
 
     def _sample(self, params: list[SamplingParams], logits: torch.Tensor,
                 generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -16,6 +16,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_elementwise import add_rms_norm
+from orthrus_rag.layers.cpu_extension import kernels
+from orthrus_rag.layers.cpu_layer_loop import LayerLoop
 from orthrus_rag.layers.fused import fuse, project
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -170,6 +172,15 @@ class DecoderLayer(nn.Module):
         return add_rms_norm(self.mlp.forward(h), residual, next_norm.weight, next_norm.eps)
 
 
+def _loop_covers(layer: nn.Module) -> bool:
+    """Whether the C++ layer loop computes all of `layer`: a plain Llama layer on the fused CPU kernels."""
+    att, mlp = layer.self_attn, layer.mlp
+    return (type(layer) is DecoderLayer and att.q_norm is None and att.rotary is cpu_elementwise.rotary
+            and mlp.act_mul is cpu_elementwise.silu_mul
+            and set(getattr(att, "fusions", {})) == {"qkv"} and set(getattr(mlp, "fusions", {})) == {"gate_up"}
+            and isinstance(att.o_proj, nn.Linear) and isinstance(mlp.down_proj, nn.Linear))
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -178,6 +189,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.config = config
         self.fused_norms = False  # CausalLM.use_cpu_kernels: residual adds fused into the norms
+        self.layer_loop: LayerLoop | None = None  # CausalLM.use_cpu_layer_loop: the fused loop in one C++ call
         self.init_rotary()
 
     def init_rotary(self, device: str | torch.device = "cpu") -> None:
@@ -190,6 +202,9 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary_emb(positions, x.dtype)
         if self.fused_norms:
             h = self.layers[0].input_layernorm(x)  # NOTE: x, a fresh tensor, becomes the running residual sum
+            out = self.layer_loop(h, x, cos, sin) if self.layer_loop is not None else None
+            if out is not None:
+                return out
             for layer, next_norm in zip(self.layers, [*(lr.input_layernorm for lr in self.layers[1:]), self.norm]):
                 h = layer.forward_fused(h, x, cos, sin, next_norm)
             return h
@@ -241,6 +256,16 @@ class CausalLM(nn.Module):
             layer.self_attn.rotary = cpu_elementwise.rotary
             if layer.mlp.act_mul is silu_mul:
                 layer.mlp.act_mul = cpu_elementwise.silu_mul
+
+    def use_cpu_layer_loop(self) -> bool:
+        """After `use_cpu_kernels`: every step that the layer loop supports runs all layers in one C++ call
+        (layers/cpu_layer_loop.py). Returns whether this model's layers allow it."""
+        model = self.model
+        if (type(model) is not DecoderModel or not model.fused_norms or kernels() is None
+                or not all(_loop_covers(layer) for layer in model.layers)):
+            return False
+        model.layer_loop = LayerLoop(model)
+        return True
 
     def fuse_projections(self) -> None:
         """Q/K/V and gate/up as one GEMM each (layers/fused.py). Call once the weights are on their device."""

@@ -77,6 +77,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:
             pack_linears(encoder)
+    if mc.cpu_layer_loop and getattr(model.model, "fused_norms", False) and not model.use_cpu_layer_loop():
+        logger.info("cpu_layer_loop: %s's layers keep the Python loop", type(model).__name__)
     return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling)
 
 

@@ -130,12 +130,31 @@ def plan(meta: AttentionMetadata, windows: set[int | None]) -> GroupedPlan:
         chunked = [i for i in seqs if meta.query_lens[i] > 1]
         chunks = _chunks(meta, chunked) if chunked else None
         seqs = [i for i in seqs if meta.query_lens[i] == 1]
+    groups = []
+    if meta.decode_kernel and meta.slot_mapping.device.type == "cpu" and decode_kernel_available():
+        # NOTE: the kernel reads each sequence's own keys, so padding costs nothing there: all decodes are one
+        # group, in flat-batch order (a decode-only step's queries are then q itself: no gather, no scatter)
+        decodes = [i for i in seqs if meta.query_lens[i] == 1]
+        groups = [_group(meta, decodes, windows)] if decodes else []
+        seqs = [i for i in seqs if meta.query_lens[i] > 1]
     q_lens = [meta.query_lens[i] for i in seqs]
     seq_lens = [meta.context_lens[i] + meta.query_lens[i] for i in seqs]
-    groups = [_group(meta, [seqs[j] for j in members], windows) for members in plan_groups(q_lens, seq_lens)]
+    groups += [_group(meta, [seqs[j] for j in members], windows) for members in plan_groups(q_lens, seq_lens)]
     identity = (chunks is None and len(groups) == 1 and groups[0].valid is None
                 and groups[0].seqs == list(range(meta.num_seqs)))
     return GroupedPlan(groups, identity, chunks)
+
+
+def kernel_plan(meta: AttentionMetadata) -> tuple | None:
+    """The step's plan as the C++ layer loop takes it (layers/cpu_layer_loop.py): the slot mapping, the prefill
+    kernel's chunks ([] or four tensors), each decode group's rows, [G, W] key slots and lengths, and whether it
+    is every row in order; None if some group runs on SDPA (the loop calls only the C++ kernels)."""
+    p: GroupedPlan = meta.plan
+    if any(g.lengths is None for g in p.groups):
+        return None
+    chunks = [] if p.chunks is None else [p.chunks.q_start, p.chunks.q_len, p.chunks.ctx_len, p.chunks.key_slots]
+    groups = [t for g in p.groups for t in (g.q_rows, g.key_slots.view(len(g.seqs), g.width), g.lengths)]
+    return meta.slot_mapping, chunks, groups, [int(g.q_all) for g in p.groups]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

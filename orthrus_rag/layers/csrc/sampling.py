@@ -5,6 +5,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -101,7 +102,47 @@ torch::Tensor each_row(const char* what, const torch::Tensor& x, const torch::Te
   });
   return out;
 }
+
+// torch.argmax of one row: the first index of the largest value, a NaN counting as the largest (the first NaN's).
+// The build has -ffast-math, which assumes no NaNs, so they are found by their bits, never by a float compare:
+// the max runs over order-preserving integer keys of the floats (a NaN's key above every number's).
+inline int32_t order_key(uint32_t bits) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return INT32_MAX;  // NaN
+  return static_cast<int32_t>(bits ^ ((bits >> 31) * 0x7fffffffu));  // negatives: the lower the float, the lower
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
+  int32_t best = INT32_MIN;
+#pragma omp simd reduction(max : best)
+  for (int64_t j = 0; j < n; ++j) best = std::max(best, order_key(bits[j]));
+  if (best == INT32_MAX) {
+    for (int64_t j = 0; j < n; ++j)
+      if ((bits[j] & 0x7fffffffu) > 0x7f800000u) return j;
+  }
+  // the first element equal to the max as a float (compared by bits, so that -0.0 and +0.0 tie, as in torch)
+  const uint32_t b = static_cast<uint32_t>(best);
+  const uint32_t mb = b ^ ((b >> 31) * 0x7fffffffu);  // order_key's inverse
+  const bool zero = (mb & 0x7fffffffu) == 0;
+  for (int64_t j = 0; j < n; ++j)
+    if (bits[j] == mb || (zero && (bits[j] & 0x7fffffffu) == 0)) return j;
+  return 0;  // unreachable: the max is one of the row's values
+}
 }  // namespace sampling
+
+// x [rows, vocab] (contiguous fp32 on the CPU) -> torch.argmax(x, dim=-1), bit for bit
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() &&
+              x.size(1) > 0, "argmax_rows: a contiguous fp32 CPU tensor [rows, vocab > 0]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = sampling::argmax_row(xp + r * n, n);
+  });
+  return out;
+}
 
 // probs [rows, vocab] (non-negative, any scale) -> one token id per row
 torch::Tensor sample_probs(const torch::Tensor& probs, const torch::Tensor& u) {

@@ -1,0 +1,93 @@
+"""The decoder's layer loop as one C++ call per step on the CPU, where the Python loop's own cost showed.
+
+Profiled at batch 1 (SmolLM2 in bf16 on one EPYC core, py-spy), a 17 ms decode step spent 11.5 ms in the GEMMs
+and most of the rest in Python between them: 30 layers of module calls, `project` / `split` / `view`, the
+attention backend's dispatch and ten kernel calls through pybind or torch's op packets, ~100-130 us a layer.
+vLLM-CPU pays none of it (torch.compile turns its layers into one graph). This loop calls the same kernels in
+the same order from C++ (csrc/layer_loop.py): the GEMMs through the dispatcher's `mkldnn::_linear_pointwise`
+(what linear.onednn_linear calls) or `at::linear`, attention through the C++ decode and prefill kernels, the
+fused elementwise ops; so its output is the Python loop's, bit for bit.
+
+It runs a step only when the Python loop would do nothing else: the model's plain Llama layers on the fused
+kernels (`CausalLM.use_cpu_kernels`, fused Q/K/V and gate/up, no per-head norms), no adapter rows in the step
+(LoRA and full-delta rows keep the Python loop, which adds them per module), no autograd, and every attention
+group of the step's plan on the C++ kernels (`grouped.kernel_plan`); any other step takes the Python loop.
+`cpu_layer_loop=false` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from orthrus_rag.layers import linear
+from orthrus_rag.layers.context import get_forward_context
+from orthrus_rag.layers.cpu_extension import kernels
+
+logger = logging.getLogger(__name__)
+_NO_BIAS = torch.empty(0)  # csrc/layer_loop.py reads a zero-element bias as "none"
+
+
+def _affine(module: nn.Linear, packed: bool) -> list[torch.Tensor]:
+    """The weight and bias that `linear.linear(module, x)` multiplies by, as the C++ loop takes them."""
+    w, b = module._onednn if packed else (module.weight, module.bias)
+    return [w, _NO_BIAS if b is None else b]
+
+
+class LayerLoop:
+    """The C++ layer loop of one DecoderModel whose layers it covers (`CausalLM.use_cpu_layer_loop` checks); its
+    arguments are gathered once, and again if packing changed."""
+
+    def __init__(self, model: nn.Module) -> None:  # NOTE: a models/llama.py DecoderModel
+        self.model = model
+        self._weights: list[torch.Tensor] | None = None
+        self._built_for = -1  # linear.pack_generation() the arguments were gathered at
+
+    def _gather(self) -> None:
+        model = self.model
+        mods = [m for layer in model.layers for m in (layer.self_attn.fusions["qkv"].carrier, layer.self_attn.o_proj,
+                                                      layer.mlp.fusions["gate_up"].carrier, layer.mlp.down_proj)]
+        packed = [getattr(m, "_onednn", None) is not None for m in mods]
+        # NOTE: all packed (and torch has the pointwise op) or all dense: pack_linears packs every one or none
+        self.packed = all(packed) and linear._POINTWISE is not None
+        if any(packed) and not self.packed:
+            self._weights = None
+            return
+        weights: list[torch.Tensor] = []
+        self.eps: list[float] = []
+        nexts = [*(lr.input_layernorm for lr in model.layers[1:]), model.norm]
+        for layer, next_norm in zip(model.layers, nexts):
+            att, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+            weights += [*_affine(att.fusions["qkv"].carrier, self.packed), *_affine(att.o_proj, self.packed),
+                        post.weight, *_affine(mlp.fusions["gate_up"].carrier, self.packed),
+                        *_affine(mlp.down_proj, self.packed), next_norm.weight]
+            self.eps += [post.eps, next_norm.eps]
+        first = model.layers[0].self_attn
+        self.windows = [-1 if lr.self_attn.window is None else lr.self_attn.window for lr in model.layers]
+        self.shape = [first.num_heads, first.num_kv_heads, first.head_dim,
+                      model.layers[0].mlp.fusions["gate_up"].sizes[0]]
+        self.scale = first.scale
+        self._weights = weights
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor | None:
+        """Every layer on `h` (the first layer's normed input) and `residual` (updated in place), as
+        DecoderModel's fused loop; None where this step must take the Python loop."""
+        ctx = get_forward_context()
+        if ctx.lora_rows or torch.is_grad_enabled() or h.device.type != "cpu":
+            return None
+        kernel_plan = getattr(ctx.attn_backend, "kernel_plan", None)
+        plan = kernel_plan(ctx.attn) if kernel_plan is not None else None
+        if plan is None:
+            return None
+        if self._built_for != linear.pack_generation():
+            self._gather()
+            self._built_for = linear.pack_generation()
+        if self._weights is None or self._weights[0].dtype != h.dtype:
+            return None
+        slot_mapping, chunks, groups, q_all = plan
+        caches = [c for kv in ctx.kv_caches for c in kv]
+        return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,
+                                    self.packed, self.scale, slot_mapping, chunks, groups, q_all)

@@ -1,0 +1,97 @@
+"""C++ source of the decoder's layer loop on the CPU (its wrapper and notes: layers/cpu_layer_loop.py).
+
+It calls the other CPU kernels of the extension (decode and prefill attention, write_kv, the fused elementwise
+ops), so it comes after their sources in the one translation unit that cpu_extension builds.
+"""
+
+SOURCE = r"""
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <optional>
+#include <string_view>
+
+namespace loop_detail {
+// mkldnn::_linear_pointwise, what linear.onednn_linear calls from Python: a dense input against a weight packed in
+// oneDNN's blocked layout (layers/linear.py). Looked up once; each call is then one unboxed dispatch.
+using PointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                               std::string_view, c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>);
+
+inline const c10::TypedOperatorHandle<PointwiseFn>& pointwise() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<PointwiseFn>();
+  return op;
+}
+
+// A bias of zero elements stands for "none" (pybind's vector of tensors has no None).
+inline std::optional<at::Tensor> bias(const at::Tensor& b) {
+  return b.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(b);
+}
+
+inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool packed) {
+  if (packed) return pointwise().call(x, w, bias(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  return at::linear(x, w, bias(b));
+}
+
+constexpr int64_t kWeights = 10;  // per layer, in this order:
+enum { kQkvW, kQkvB, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNextNorm };
+constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], lengths [G]
+}  // namespace loop_detail
+
+// The fast path of models/llama.py's DecoderModel.forward_fused loop, every layer in one call: the same kernels
+// in the same order as the Python layers call them, so the result is bit for bit theirs. h: the first layer's
+// normed input [T, N]; residual [T, N], the running sum (updated in place); cos / signed sin [T, D]. Per layer:
+// kWeights tensors (weights packed or dense, per `packed`), two caches, eps (post-attention, next norm) and a
+// window (-1: none). The attention plan (attention/grouped.py's kernel_plan): the step's slot_mapping, the chunks
+// of the prefill kernel (none, or q_start, q_len, ctx_len, key_slots) and the decode-kernel groups (kGroup
+// tensors each; q_all[g]: the group is every row in order, so its queries are q itself and its output is the
+// layer's). shape: heads, KV heads, head dim, intermediate size. Returns the last norm's output [T, N].
+torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
+                         std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, std::vector<double> eps,
+                         std::vector<int64_t> windows, std::vector<int64_t> shape, bool packed, double scale,
+                         torch::Tensor slot_mapping, std::vector<torch::Tensor> chunks,
+                         std::vector<torch::Tensor> groups, std::vector<int64_t> q_all) {
+  using namespace loop_detail;
+  const int64_t L = static_cast<int64_t>(windows.size());
+  TORCH_CHECK(shape.size() == 4 && static_cast<int64_t>(weights.size()) == L * kWeights &&
+              static_cast<int64_t>(caches.size()) == 2 * L && static_cast<int64_t>(eps.size()) == 2 * L &&
+              (chunks.empty() || chunks.size() == 4) && static_cast<int64_t>(groups.size()) % kGroup == 0 &&
+              groups.size() / kGroup == q_all.size() && !(chunks.empty() && q_all.empty()),
+              "layer_loop: argument counts");
+  const int64_t H = shape[0], KVH = shape[1], D = shape[2], I = shape[3], T = h.size(0);
+  const bool identity = chunks.empty() && q_all.size() == 1 && q_all[0] != 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* w = weights.data() + l * kWeights;
+    const torch::Tensor& kc = caches[2 * l];
+    const torch::Tensor& vc = caches[2 * l + 1];
+    const int64_t window = windows[l];
+    auto qkv = project(h, w[kQkvW], w[kQkvB], packed);
+    auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+    auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
+    auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+    rotary(q, cos, ssin);
+    rotary(k, cos, ssin);
+    write_kv(k, v, kc, vc, slot_mapping);
+    torch::Tensor o;
+    if (identity) {
+      o = decode_attention(q, kc, vc, groups[1], groups[2], scale, window);
+    } else {
+      o = torch::empty({T, H, D}, q.options());
+      if (!chunks.empty()) {
+        // NOTE: the kernel reads strided rows as they come (attention/cpu_prefill.py)
+        prefill_attention(q, kc, vc, chunks[0], chunks[1], chunks[2], chunks[3], scale, window, o);
+      }
+      for (size_t g = 0; g < q_all.size(); ++g) {
+        const torch::Tensor& rows = groups[g * kGroup];
+        auto queries = q_all[g] ? q : q.index_select(0, rows);
+        o.index_copy_(0, rows, decode_attention(queries, kc, vc, groups[g * kGroup + 1], groups[g * kGroup + 2],
+                                                scale, window));
+      }
+    }
+    auto attn = project(o.view({T, H * D}), w[kOW], w[kOB], packed);
+    h = add_rms_norm(attn, residual, w[kPostNorm], eps[2 * l]);
+    auto gate_up = project(h, w[kGateUpW], w[kGateUpB], packed);
+    auto act = silu_mul(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I));
+    h = add_rms_norm(project(act, w[kDownW], w[kDownB], packed), residual, w[kNextNorm], eps[2 * l + 1]);
+  }
+  return h;
+}
+"""

@@ -1,0 +1,169 @@
+"""The decoder's layer loop in C++ (layers/cpu_layer_loop.py): bit for bit the Python loop of the same kernels,
+taken only on the steps it covers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from orthrus_rag.layers import cpu_elementwise
+from orthrus_rag.layers.attention import build_metadata, cpu_prefill, grouped
+from orthrus_rag.layers.context import ForwardContext, forward_context
+from orthrus_rag.layers.linear import pack_linears, pack_module
+from orthrus_rag.models.llama import CausalLM
+
+# NOTE: the extension builds on first use (a minute on a fresh machine): not part of the fast subset
+pytestmark = pytest.mark.slow
+
+BLOCK = 4
+COMMON = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64, max_position_embeddings=256)  # head_dim 32: the prefill kernel's
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    if not cpu_elementwise.available(torch.float32):
+        pytest.fail("the CPU extension did not build (a compiler and ninja are installed with the project)")
+
+
+def _model(kind: str, dtype: torch.dtype, packed: bool) -> CausalLM:
+    config = {"llama": LlamaConfig(**COMMON), "qwen2": Qwen2Config(**COMMON),  # qwen2: Q/K/V biases
+              "mistral": MistralConfig(**COMMON, sliding_window=6), "qwen3": Qwen3Config(**COMMON, head_dim=32)}[kind]
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model = model.to(dtype)
+    model.fuse_projections()
+    model.use_cpu_kernels()
+    if packed:
+        pack_linears(model)
+    return model
+
+
+class Spy:
+    """Counts the steps the C++ loop took (a result) and left to the Python loop (None)."""
+
+    def __init__(self, loop) -> None:
+        self.loop, self.taken, self.left = loop, 0, 0
+
+    def __call__(self, *args):
+        out = self.loop(*args)
+        self.taken += out is not None
+        self.left += out is None
+        return out
+
+
+def _steps(model: CausalLM, steps, prefill_kernel: bool):
+    """Run `steps` (each a list of (sequence, new tokens)) on fresh caches; the hidden states of every step."""
+    layers = model.attention_layers
+    dtype = model.lm_head.weight.dtype
+    caches = [(torch.zeros(128, a.num_kv_heads, a.head_dim, dtype=dtype),
+               torch.zeros(128, a.num_kv_heads, a.head_dim, dtype=dtype)) for a in layers]
+    tables = {0: [0, 1, 2, 3], 1: [9, 5, 6], 2: [12, 13, 14, 15]}  # scattered blocks: key slots are not in order
+    done = {s: 0 for s in tables}
+    torch.manual_seed(1)
+    outs = []
+    for step in steps:
+        ids = torch.randint(0, 64, (sum(n for _, n in step),))
+        meta = build_metadata([n for _, n in step], [done[s] for s, _ in step], [tables[s] for s, _ in step],
+                              [True] * len(step), BLOCK, 64, torch.device("cpu"))
+        meta.decode_kernel, meta.prefill_kernel = True, prefill_kernel
+        meta.plan = grouped.plan(meta, {a.window for a in layers})
+        with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped,
+                                                                    kv_caches=caches)):
+            outs.append(model(ids, meta.positions))
+        for s, n in step:
+            done[s] += n
+    return outs, caches
+
+
+STEPS = [
+    [(0, 1), (1, 1), (2, 1)],  # decodes only, no cache yet beyond the new row
+    [(0, 9), (1, 5)],  # chunks
+    [(0, 1), (1, 1), (2, 7)],  # decodes beside a chunk
+    [(0, 1), (1, 1), (2, 1)],  # decodes over cached keys, past mistral's window of 6 for two of them
+    [(2, 1)],  # one decode: the identity plan
+]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_the_loop_equals_the_python_loop_bit_for_bit(kind, dtype, packed):
+    prefill_kernel = dtype is torch.bfloat16 and cpu_prefill.prefill_kernel_available(dtype, 32)
+    model = _model(kind, dtype, packed)
+    want, want_caches = _steps(model, STEPS, prefill_kernel)
+    assert model.use_cpu_layer_loop()
+    spy = model.model.layer_loop = Spy(model.model.layer_loop)
+    got, got_caches = _steps(model, STEPS, prefill_kernel)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    # chunks run on SDPA without the prefill kernel (fp32, or a CPU without AVX512-BF16): those steps stay Python
+    assert (spy.taken, spy.left) == ((5, 0) if prefill_kernel else (3, 2))
+
+
+def test_a_step_with_adapter_rows_or_autograd_keeps_the_python_loop():
+    model = _model("llama", torch.float32, True)
+    assert model.use_cpu_layer_loop()
+    loop = model.model.layer_loop
+    meta = build_metadata([1], [0], [[0]], [True], BLOCK, 64, torch.device("cpu"))
+    meta.decode_kernel = True
+    meta.plan = grouped.plan(meta, {None})
+    caches = [(torch.zeros(80, 2, 32), torch.zeros(80, 2, 32)) for _ in model.attention_layers]
+    h, residual, cos, sin = torch.randn(1, 128), torch.randn(1, 128), torch.ones(1, 32), torch.zeros(1, 32)
+    with forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches)):
+        with torch.inference_mode():
+            assert loop(h, residual.clone(), cos, sin) is not None
+        with torch.enable_grad():
+            assert loop(h, residual.clone(), cos, sin) is None
+    with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches,
+                                                                lora_rows=[(1, torch.tensor([0]))])):
+        assert loop(h, residual.clone(), cos, sin) is None
+    meta.decode_kernel = False  # a decode group on SDPA: the loop calls only the C++ kernels
+    meta.plan = grouped.plan(meta, {None})
+    with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches)):
+        assert loop(h, residual.clone(), cos, sin) is None
+
+
+def test_models_with_other_layers_keep_the_python_loop():
+    assert not _model("qwen3", torch.float32, False).use_cpu_layer_loop()  # per-head q/k norms
+    unfused = _model("llama", torch.float32, False)
+    unfused.model.fused_norms = False
+    assert not unfused.use_cpu_layer_loop()
+
+
+def test_a_repacked_layer_is_gathered_again():
+    model = _model("llama", torch.bfloat16, True)
+    assert model.use_cpu_layer_loop()
+    _steps(model, STEPS[:1], False)  # the loop gathers its weights
+    down = model.model.layers[1].mlp.down_proj
+    with torch.no_grad():
+        down.weight.mul_(-1)
+    pack_module(down)
+    got, _ = _steps(model, STEPS[:1], False)
+    loop, model.model.layer_loop = model.model.layer_loop, None
+    want, _ = _steps(model, STEPS[:1], False)
+    assert torch.equal(got[0], want[0])
+    assert loop is not None
+
+
+def test_the_engine_switch_and_its_tokens(smol_path, smol_tokenizer):
+    from orthrus_rag import Engine
+    from orthrus_rag.params import SamplingParams
+    from tests.conftest import SMOL, engine_overrides
+
+    on = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16"))
+    off = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16", cpu_layer_loop=False))
+    assert on.runner.model.model.layer_loop is not None and off.runner.model.model.layer_loop is None
+    spy = on.runner.model.model.layer_loop = Spy(on.runner.model.model.layer_loop)
+    # NOTE: longer than the test budget (64 tokens): chunks after cached prefixes, beside the other's decodes
+    prompts = [smol_tokenizer("Rivers begin in the mountains, where rain and snow")["input_ids"] * 6,
+               smol_tokenizer("The capital of France is")["input_ids"]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got, want = on.generate(prompts, params), off.generate(prompts, params)
+    assert [list(r.token_ids) for r in got] == [list(r.token_ids) for r in want]
+    assert spy.taken > 0
