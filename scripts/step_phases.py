@@ -6,7 +6,8 @@
 Wraps the engine's step, the runner's execute / prepare / forward, the attention backend's plan and forward,
 the C++ decode and prefill kernels, the logits and the sampler with timers (the torch profiler does not see the C++
 kernels or Python between ops), runs `--batch` prompts of `--prompt-len` tokens to `--tokens` new tokens and prints
-ms per step.
+ms per step. The layer-level timers (attention, its kernels) fire only on the Python layer loop: with the C++ one
+(`cpu_layer_loop`, on by default) the forward is one call; `--option cpu_layer_loop=false` looks inside it.
 """
 
 from __future__ import annotations

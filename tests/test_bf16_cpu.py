@@ -62,6 +62,26 @@ def test_the_decode_kernel_reads_a_bf16_cache_in_fp32_arithmetic():
         cpu_kernels.decode_attention(q.half(), k.half(), v.half(), slots, lens, 0.2, None)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 256), (12, 1, 64)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_bf16_decode_paths_match_fp32_arithmetic(heads, kv_heads, dim, window):
+    """Head sizes 64 / 128 / 256 with up to 8 query heads per KV head take the AVX512-BF16 path (16 keys a block),
+    the rest the generic one: either within bf16's rounding of an fp32 computation on the same inputs, at every
+    block edge of the key count, with queries strided as the fused projection leaves them."""
+    if not cpu_kernels.decode_kernel_available():
+        pytest.skip("the C++ kernel cannot be built here (the grouped backend's SDPA path is tested instead)")
+    torch.manual_seed(heads + dim)
+    lens = torch.tensor([1, 15, 16, 17, 33, 40])
+    fused = torch.randn(len(lens), heads + 2 * kv_heads, dim).bfloat16()  # q rows strided, as views of Q/K/V
+    q = fused[:, :heads]
+    k, v = torch.randn(90, kv_heads, dim).bfloat16(), torch.randn(90, kv_heads, dim).bfloat16()
+    slots = torch.stack([torch.randperm(90)[:40] for _ in lens]).contiguous()
+    want = cpu_kernels.decode_attention(q.float(), k.float(), v.float(), slots, lens, dim**-0.5, window)
+    got = cpu_kernels.decode_attention(q, k, v, slots, lens, dim**-0.5, window)
+    assert got.dtype is torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
 # ---- the model, in bf16, against references --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bf16_engine(smol_path):  # NOTE: smol_path marks every test that uses it slow (conftest.MODEL_FIXTURES)
