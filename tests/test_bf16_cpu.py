@@ -62,7 +62,8 @@ def test_the_decode_kernel_reads_a_bf16_cache_in_fp32_arithmetic():
         cpu_kernels.decode_attention(q.half(), k.half(), v.half(), slots, lens, 0.2, None)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 256), (12, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 256), (8, 4, 64),
+                                                (10, 2, 64), (12, 2, 64), (14, 2, 64), (12, 1, 64), (6, 2, 96)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_the_bf16_decode_paths_match_fp32_arithmetic(heads, kv_heads, dim, window):
     """Head sizes 64 / 128 / 256 with up to 8 query heads per KV head take the AVX512-BF16 path (16 keys a block),
@@ -70,6 +71,8 @@ def test_the_bf16_decode_paths_match_fp32_arithmetic(heads, kv_heads, dim, windo
     block edge of the key count, with queries strided as the fused projection leaves them."""
     if not cpu_kernels.decode_kernel_available():
         pytest.skip("the C++ kernel cannot be built here (the grouped backend's SDPA path is tested instead)")
+    if "avx512_bf16" in machine.cpu_flags():  # NOTE: the fast path shares the prefill kernel's build condition
+        assert cpu_kernels.kernels().prefill_attention_supported()
     torch.manual_seed(heads + dim)
     lens = torch.tensor([1, 15, 16, 17, 33, 40])
     fused = torch.randn(len(lens), heads + 2 * kv_heads, dim).bfloat16()  # q rows strided, as views of Q/K/V

@@ -11,6 +11,7 @@ from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.attention import build_metadata, cpu_prefill, grouped
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.linear import pack_linears, pack_module
+from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters
 from orthrus_rag.models.llama import CausalLM
 
 # NOTE: the extension builds on first use (a minute on a fresh machine): not part of the fast subset
@@ -27,8 +28,9 @@ def kernels_built():
         pytest.fail("the CPU extension did not build (a compiler and ninja are installed with the project)")
 
 
-def _model(kind: str, dtype: torch.dtype, packed: bool) -> CausalLM:
+def _model(kind: str, dtype: torch.dtype, packed: bool, lora: bool = False) -> CausalLM:
     config = {"llama": LlamaConfig(**COMMON), "qwen2": Qwen2Config(**COMMON),  # qwen2: Q/K/V biases
+              "biases": LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),  # every projection's
               "mistral": MistralConfig(**COMMON, sliding_window=6), "qwen3": Qwen3Config(**COMMON, head_dim=32)}[kind]
     torch.manual_seed(0)
     model = CausalLM(config).eval()
@@ -38,6 +40,13 @@ def _model(kind: str, dtype: torch.dtype, packed: bool) -> CausalLM:
     model = model.to(dtype)
     model.fuse_projections()
     model.use_cpu_kernels()
+    if lora:  # wrapped as an engine with adapters has them, before packing (as loading.py does)
+        names = [f"model.layers.{i}.{m}" for i in range(COMMON["num_hidden_layers"])
+                 for m in ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+        modules = dict(model.named_modules())
+        weights = {n: (torch.randn(4, modules[n].in_features, dtype=dtype),
+                       torch.randn(modules[n].out_features, 4, dtype=dtype)) for n in names}
+        attach_adapters(model, [LoRAAdapter("a", 4, 2.0, weights)])
     if packed:
         pack_linears(model)
     return model
@@ -84,16 +93,19 @@ STEPS = [
     [(0, 1), (1, 1), (2, 1)],  # decodes only, no cache yet beyond the new row
     [(0, 9), (1, 5)],  # chunks
     [(0, 1), (1, 1), (2, 7)],  # decodes beside a chunk
-    [(0, 1), (1, 1), (2, 1)],  # decodes over cached keys, past mistral's window of 6 for two of them
+    [(0, 1), (1, 1), (2, 1)],  # decodes over cached keys, all three past mistral's window of 6
     [(2, 1)],  # one decode: the identity plan
 ]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
-def test_the_loop_equals_the_python_loop_bit_for_bit(kind, dtype, packed):
+@pytest.mark.parametrize("kind,lora", [("llama", False), ("qwen2", False), ("biases", False), ("mistral", False),
+                                       ("llama", True)])
+@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                          (torch.bfloat16, True)])
+def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
+    """Every step without adapter rows: a LoRA-wrapped model's steps too (its wrappers add nothing then)."""
     prefill_kernel = dtype is torch.bfloat16 and cpu_prefill.prefill_kernel_available(dtype, 32)
-    model = _model(kind, dtype, packed)
+    model = _model(kind, dtype, packed, lora)
     want, want_caches = _steps(model, STEPS, prefill_kernel)
     assert model.use_cpu_layer_loop()
     spy = model.model.layer_loop = Spy(model.model.layer_loop)
@@ -123,6 +135,9 @@ def test_a_step_with_adapter_rows_or_autograd_keeps_the_python_loop():
     with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches,
                                                                 lora_rows=[(1, torch.tensor([0]))])):
         assert loop(h, residual.clone(), cos, sin) is None
+    with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped,
+                                                                kv_caches=caches[:-1])):
+        assert loop(h, residual.clone(), cos, sin) is None  # not this model's caches
     meta.decode_kernel = False  # a decode group on SDPA: the loop calls only the C++ kernels
     meta.plan = grouped.plan(meta, {None})
     with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches)):
@@ -139,16 +154,17 @@ def test_models_with_other_layers_keep_the_python_loop():
 def test_a_repacked_layer_is_gathered_again():
     model = _model("llama", torch.bfloat16, True)
     assert model.use_cpu_layer_loop()
-    _steps(model, STEPS[:1], False)  # the loop gathers its weights
+    spy = model.model.layer_loop = Spy(model.model.layer_loop)
+    before, _ = _steps(model, STEPS[:1], False)  # the loop gathers its weights
     down = model.model.layers[1].mlp.down_proj
     with torch.no_grad():
         down.weight.mul_(-1)
     pack_module(down)
     got, _ = _steps(model, STEPS[:1], False)
-    loop, model.model.layer_loop = model.model.layer_loop, None
+    assert spy.taken == 2
+    model.model.layer_loop = None
     want, _ = _steps(model, STEPS[:1], False)
-    assert torch.equal(got[0], want[0])
-    assert loop is not None
+    assert torch.equal(got[0], want[0]) and not torch.equal(got[0], before[0])
 
 
 def test_the_engine_switch_and_its_tokens(smol_path, smol_tokenizer):

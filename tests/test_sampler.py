@@ -153,6 +153,11 @@ def test_greedy_kernel_is_torch_argmax_bit_for_bit(cpu_kernels: None) -> None:
     logits = _big_logits(33)
     logits[5, 100:200] = logits[5].max()  # a tie over many entries: the first
     assert torch.equal(greedy(logits, [SamplingParams(temperature=0.0)] * 33, [None] * 33), logits.argmax(dim=-1))
+    # greedy rows beside sampled ones: the argmax of all rows, then the sampled rows drawn over it
+    mixed = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(33)]
+    out = greedy(logits, mixed, [make_generator(i) for i in range(33)])
+    assert torch.equal(out[1::2], logits.argmax(dim=-1)[1::2])
+    assert not torch.equal(out[0::2], logits.argmax(dim=-1)[0::2])
 
 
 def test_inverse_cdf_boundaries() -> None:

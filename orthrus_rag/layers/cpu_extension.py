@@ -38,7 +38,7 @@ def _sources() -> list[str]:
 
 FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_attention_supported", "add_rms_norm",
              "rotary", "silu_mul", "sample_probs", "sample_logits", "argmax_rows",
-             "layer_loop"]
+             "layer_loop", "layer_loop_pointwise"]
 
 
 def build_name() -> str:

@@ -44,6 +44,8 @@ class LayerLoop:
         self.model = model
         self._weights: list[torch.Tensor] | None = None
         self._built_for = -1  # linear.pack_generation() the arguments were gathered at
+        # NOTE: the packed weights' op as the C++ names its signature (a torch without it: dense weights only)
+        self._pointwise = bool(kernels().layer_loop_pointwise())
 
     def _gather(self) -> None:
         model = self.model
@@ -51,7 +53,7 @@ class LayerLoop:
                                                       layer.mlp.fusions["gate_up"].carrier, layer.mlp.down_proj)]
         packed = [getattr(m, "_onednn", None) is not None for m in mods]
         # NOTE: all packed (and torch has the pointwise op) or all dense: pack_linears packs every one or none
-        self.packed = all(packed) and linear._POINTWISE is not None
+        self.packed = all(packed) and linear._POINTWISE is not None and self._pointwise
         if any(packed) and not self.packed:
             self._weights = None
             return
@@ -85,8 +87,9 @@ class LayerLoop:
         if self._built_for != linear.pack_generation():
             self._gather()
             self._built_for = linear.pack_generation()
-        if self._weights is None or self._weights[0].dtype != h.dtype:
-            return None
+        if (self._weights is None or self._weights[0].dtype != h.dtype or len(ctx.kv_caches) != len(self.windows)
+                or ctx.kv_caches[0][0].dtype != h.dtype):
+            return None  # NOTE: the Python loop copes (write_kv casts nothing in C++, it checks)
         slot_mapping, chunks, groups, q_all = plan
         caches = [c for kv in ctx.kv_caches for c in kv]
         return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,

@@ -116,8 +116,9 @@ class Sampler:
         return token_ids
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits.argmax(dim=-1)`, bit for bit; on the CPU a C++ pass per row: torch's CPU argmax runs ~15x
-        slower than its max over the same rows (2 ms of a 32-row decode step over SmolLM2's vocabulary)."""
+        """`logits.argmax(dim=-1)`, bit for bit; on the CPU a C++ pass per row. torch's CPU argmax runs ~15x
+        slower than its max over the same rows: 1.5-2 ms of a 32-row decode step over SmolLM2's vocabulary,
+        against 0.3 ms here."""
         k = kernels() if self.use_kernel and logits.device.type == "cpu" and logits.size(1) > 0 else None
         return k.argmax_rows(logits.contiguous()) if k is not None else logits.argmax(dim=-1)
 

@@ -9,7 +9,9 @@ keys (the earlier packed path ran one [T x all keys] SDPA with a block-diagonal 
 reused by every layer.
 
 On a bf16 CPU with AVX512-BF16 every chunk (more than one new token) goes instead to the C++ prefill kernel
-(attention/cpu_prefill.py), one call per layer for all of them, unpadded; decodes keep their groups.
+(attention/cpu_prefill.py), one call per layer for all of them, unpadded. Decodes on the C++ decode kernel
+(attention/cpu_kernels.py) form one group in flat-batch order, split only where one long sequence would make
+the group's [sequences x longest] slot table many times the keys read.
 
 Decode groups (one new token per sequence) fold the query heads that share a KV head into the query-length
 axis ([G, KVH, H/KVH, D]), so each cached key is read once per KV head rather than once per query head
@@ -32,6 +34,11 @@ from orthrus_rag.layers.attention.metadata import AttentionMetadata, key_slots
 # (query, key) pair over all heads ~0.025 us). Only the ratios matter: they decide when padding a sequence into
 # a group costs more than a call of its own.
 _CALL_US, _KEY_US, _PAIR_US = 40.0, 0.15, 0.025
+
+
+# a decode-kernel group's slot table may hold up to twice the keys it reads, plus this many slots, before the
+# group is split (building the table is a few tensor passes over it: ~0.1 ms for 100k slots on one core)
+_SLOT_SLACK = 16384
 
 
 def _cost(g: int, n: int, width: int) -> float:
@@ -62,7 +69,8 @@ class GroupedPlan:
 
 def plan_groups(query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
     """Split sequences into groups whose padding costs less than separate calls (greedy over sequences sorted
-    by shape; decodes and chunks never share a group: their kernels differ)."""
+    by shape; decodes and chunks never share a group: their kernels differ). For SDPA's groups, and for the
+    decode kernel's where its one group's slot table would be mostly padding."""
     order = sorted(range(len(query_lens)), key=lambda i: (query_lens[i] > 1, query_lens[i], seq_lens[i]))
     groups: list[list[int]] = []
     n_max = width = 0
@@ -135,7 +143,12 @@ def plan(meta: AttentionMetadata, windows: set[int | None]) -> GroupedPlan:
         # NOTE: the kernel reads each sequence's own keys, so padding costs nothing there: all decodes are one
         # group, in flat-batch order (a decode-only step's queries are then q itself: no gather, no scatter)
         decodes = [i for i in seqs if meta.query_lens[i] == 1]
-        groups = [_group(meta, decodes, windows)] if decodes else []
+        widths = [meta.context_lens[i] + 1 for i in decodes]
+        if decodes and len(decodes) * max(widths) <= 2 * sum(widths) + _SLOT_SLACK:
+            groups = [_group(meta, decodes, windows)]
+        elif decodes:  # NOTE: e.g. one 32k-token context beside 100 short ones: the table would be ~50x the keys
+            groups = [_group(meta, [decodes[j] for j in members], windows)
+                      for members in plan_groups([1] * len(decodes), widths)]
         seqs = [i for i in seqs if meta.query_lens[i] > 1]
     q_lens = [meta.query_lens[i] for i in seqs]
     seq_lens = [meta.context_lens[i] + meta.query_lens[i] for i in seqs]

@@ -161,7 +161,8 @@ void scores_of(const uint16_t* q, const uint16_t* kp, const int64_t* rows, int64
 inline __m512 widen(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
 // out[g][0 .. 64) = sum_p w[g][p] v_p[off .. off + 64) for G query heads (w: G rows of n weights; out rows
-// out_stride apart), rounded to bf16 once; the accumulators are locals, so they stay in registers.
+// out_stride apart), rounded to bf16 once; the accumulators are locals, in registers up to G = 6 (G x 4 + 5
+// vectors of 32; 7 and 8 spill a few).
 template <int G>
 void values_of(const float* w, int64_t n, const uint16_t* vp, const int64_t* rows, int64_t R, int64_t off,
                uint16_t* out, int64_t out_stride, bool ahead) {
@@ -255,13 +256,13 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
     std::vector<float> scores;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = std::min<int64_t>(lens[b], W);
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t* rows = slots + b * W + first;
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t* rows = slots + b * W + start;
       const uint16_t* qb = qp + b * q_row;
       uint16_t* ob = op + b * H * D;
-      if (D == 64) attend_one<2>(qb, kp, vp, rows, len - first, H, KVH, sc, scores, ob);
-      else if (D == 128) attend_one<4>(qb, kp, vp, rows, len - first, H, KVH, sc, scores, ob);
-      else attend_one<8>(qb, kp, vp, rows, len - first, H, KVH, sc, scores, ob);
+      if (D == 64) attend_one<2>(qb, kp, vp, rows, len - start, H, KVH, sc, scores, ob);
+      else if (D == 128) attend_one<4>(qb, kp, vp, rows, len - start, H, KVH, sc, scores, ob);
+      else attend_one<8>(qb, kp, vp, rows, len - start, H, KVH, sc, scores, ob);
     }
   });
 }
@@ -285,12 +286,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     attend<float>(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
   } else {
 #if defined(__AVX512BF16__)
-    if (decode_fast::covers(q.size(1), k_cache.size(1), q.size(2))) {
+    if (decode_fast::covers(q.size(1), k_cache.size(1), q.size(2)))
       decode_fast::attend(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
-      return q_kind == kind ? out : out.to(q_kind);
-    }
+    else
 #endif
-    attend<at::BFloat16>(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
+      attend<at::BFloat16>(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
   }
   return q_kind == kind ? out : out.to(q_kind);
 }

@@ -7,13 +7,13 @@ ops), so it comes after their sources in the one translation unit that cpu_exten
 SOURCE = r"""
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <optional>
-#include <string_view>
 
 namespace loop_detail {
 // mkldnn::_linear_pointwise, what linear.onednn_linear calls from Python: a dense input against a weight packed in
 // oneDNN's blocked layout (layers/linear.py). Looked up once; each call is then one unboxed dispatch.
+// NOTE: c10::string_view, not std::string_view: the two are one type only in recent torch (typed<> checks it)
 using PointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                               std::string_view, c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>);
+                               c10::string_view, c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 
 inline const c10::TypedOperatorHandle<PointwiseFn>& pointwise() {
   static const auto op =
@@ -31,12 +31,26 @@ inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Te
   return at::linear(x, w, bias(b));
 }
 
+}  // namespace loop_detail
+
+// Whether this torch has the op with the signature above (else the loop takes only dense weights).
+bool layer_loop_pointwise() {
+  try {
+    loop_detail::pointwise();
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+namespace loop_detail {
 constexpr int64_t kWeights = 10;  // per layer, in this order:
 enum { kQkvW, kQkvB, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNextNorm };
 constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], lengths [G]
 }  // namespace loop_detail
 
-// The fast path of models/llama.py's DecoderModel.forward_fused loop, every layer in one call: the same kernels
+// The fast path of models/llama.py's DecoderModel.forward (its fused branch: DecoderLayer.forward_fused per layer),
+// every layer in one call: the same kernels
 // in the same order as the Python layers call them, so the result is bit for bit theirs. h: the first layer's
 // normed input [T, N]; residual [T, N], the running sum (updated in place); cos / signed sin [T, D]. Per layer:
 // kWeights tensors (weights packed or dense, per `packed`), two caches, eps (post-attention, next norm) and a
@@ -50,6 +64,9 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
                          torch::Tensor slot_mapping, std::vector<torch::Tensor> chunks,
                          std::vector<torch::Tensor> groups, std::vector<int64_t> q_all) {
   using namespace loop_detail;
+  // NOTE: a whole forward: other Python threads (the server's event loop) run meanwhile, as they did beside the
+  // Python loop's torch ops; the arguments are C++ values by now, and an exception re-takes the GIL on its way out
+  pybind11::gil_scoped_release no_gil;
   const int64_t L = static_cast<int64_t>(windows.size());
   TORCH_CHECK(shape.size() == 4 && static_cast<int64_t>(weights.size()) == L * kWeights &&
               static_cast<int64_t>(caches.size()) == 2 * L && static_cast<int64_t>(eps.size()) == 2 * L &&

@@ -111,8 +111,10 @@ inline int32_t order_key(uint32_t bits) {
   return static_cast<int32_t>(bits ^ ((bits >> 31) * 0x7fffffffu));  // negatives: the lower the float, the lower
 }
 
+typedef uint32_t __attribute__((may_alias)) float_bits;  // a float's bits, read in place without aliasing UB
+
 int64_t argmax_row(const float* x, int64_t n) {
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
+  const float_bits* bits = reinterpret_cast<const float_bits*>(x);
   int32_t best = INT32_MIN;
 #pragma omp simd reduction(max : best)
   for (int64_t j = 0; j < n; ++j) best = std::max(best, order_key(bits[j]));
@@ -138,6 +140,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
+  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) o[r] = sampling::argmax_row(xp + r * n, n);
   });
