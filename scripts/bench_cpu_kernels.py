@@ -4,6 +4,8 @@
 
 Attention: the prefill kernel (attention/cpu_prefill.py) against torch's SDPA on the same bf16 inputs, causal
 over a chunk's own keys and after a cached prefix, with the largest error of each to an fp32 reference.
+Decode: a 32-sequence step's attention over 30 layers' cold caches, the decode kernel's generic path against its
+AVX512-BF16 one (layers/attention/cpu_kernels.py).
 Elementwise: residual add + RMSNorm, rotary (q and k) and SiLU-and-mul (layers/cpu_elementwise.py) against the
 eager ops, at 1, 32 and 256 rows (a decode at batch 1 and 32, a prefill chunk).
 Sampler: a step's draw at temperature 0.7 over SmolLM2's 49,152 logits, every row seeded (as the benchmarks'
@@ -70,6 +72,35 @@ def attention(dtype: torch.dtype) -> None:
         print(json.dumps(row))
 
 
+def decode(dtype: torch.dtype, batch: int = 32, layers: int = 30) -> None:
+    """A decode step's attention over `layers` layers' cold caches (each its own, blocks of 16 slots scattered):
+    the kernel's first path against its AVX512-BF16 one (bf16 caches, head sizes 64 / 128 / 256)."""
+    from orthrus_rag.layers.attention import cpu_kernels
+
+    for keys in (64, 1000):
+        g = torch.Generator().manual_seed(0)
+        blocks = batch * (keys // 16 + 2)
+        caches = [(torch.randn(blocks * 16, KVH, D, generator=g).to(dtype),
+                   torch.randn(blocks * 16, KVH, D, generator=g).to(dtype)) for _ in range(layers)]
+        q = torch.randn(batch, H, D, generator=g).to(dtype)
+        order = torch.randperm(blocks, generator=g)
+        per = (keys + 15) // 16
+        slots = torch.stack([(order[b * per:(b + 1) * per, None] * 16 + torch.arange(16)).flatten()[:keys]
+                             for b in range(batch)]).contiguous()
+        lens = torch.full((batch,), keys)
+
+        def step(generic: bool) -> None:
+            for k, v in caches:
+                cpu_kernels.decode_attention(q, k, v, slots, lens, D ** -0.5, None, generic)
+
+        row = {"decode": f"{batch} x {keys} keys, {layers} layers",
+               "generic_ms": round(_us(lambda: step(True), 5) / 1e3, 2)}
+        if dtype is torch.bfloat16 and cpu_prefill.prefill_kernel_available(dtype, D):  # NOTE: one build condition
+            row["bf16_path_ms"] = round(_us(lambda: step(False), 5) / 1e3, 2)
+            row["speedup"] = round(row["generic_ms"] / row["bf16_path_ms"], 2)
+        print(json.dumps(row))
+
+
 def elementwise(dtype: torch.dtype) -> None:
     for rows in (1, 32, 256):
         x, res, w = (torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, HIDDEN).to(dtype),
@@ -121,6 +152,7 @@ def main() -> None:
     if not cpu_elementwise.available(dtype):
         raise SystemExit("the CPU extension did not build here (needs a C++ compiler and ninja)")
     attention(dtype)
+    decode(dtype)
     elementwise(dtype)
     sampler()
 

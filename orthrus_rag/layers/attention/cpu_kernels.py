@@ -36,9 +36,11 @@ def decode_kernel_available() -> bool:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-    """q [B, H, D] against each sequence's keys `key_slots[b, :seq_lens[b]]` in the paged caches; [B, H, D]."""
-    return kernels().decode_attention(q, k_cache, v_cache, key_slots, seq_lens, scale, -1 if window is None else window)
+                     seq_lens: torch.Tensor, scale: float, window: int | None, generic: bool = False) -> torch.Tensor:
+    """q [B, H, D] against each sequence's keys `key_slots[b, :seq_lens[b]]` in the paged caches; [B, H, D].
+    `generic`: the first path even where the AVX512-BF16 one would run (its tests and benchmark compare them)."""
+    return kernels().decode_attention(q, k_cache, v_cache, key_slots, seq_lens, scale, -1 if window is None else window,
+                                      generic)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -269,9 +269,11 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 }  // namespace decode_fast
 #endif
 
-// q [B, H, D] (rows may be strided); returns [B, H, D] in q's dtype, computed in the caches'.
+// q [B, H, D] (rows may be strided); returns [B, H, D] in q's dtype, computed in the caches'. `generic`: the first
+// path even where the AVX512-BF16 one covers the shapes (for its tests and benchmark).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor key_slots, torch::Tensor seq_lens, double scale, int64_t window) {
+                               torch::Tensor key_slots, torch::Tensor seq_lens, double scale, int64_t window,
+                               bool generic) {
   const auto kind = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == kind && (kind == torch::kFloat || kind == torch::kBFloat16),
               "decode_attention: float32 or bfloat16 caches");
@@ -286,7 +288,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     attend<float>(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
   } else {
 #if defined(__AVX512BF16__)
-    if (decode_fast::covers(q.size(1), k_cache.size(1), q.size(2)))
+    if (!generic && decode_fast::covers(q.size(1), k_cache.size(1), q.size(2)))
       decode_fast::attend(q, k_cache, v_cache, key_slots, seq_lens, scale, window, out);
     else
 #endif

@@ -89,7 +89,7 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
     write_kv(k, v, kc, vc, slot_mapping);
     torch::Tensor o;
     if (identity) {
-      o = decode_attention(q, kc, vc, groups[1], groups[2], scale, window);
+      o = decode_attention(q, kc, vc, groups[1], groups[2], scale, window, false);
     } else {
       o = torch::empty({T, H, D}, q.options());
       if (!chunks.empty()) {
@@ -100,7 +100,7 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
         const torch::Tensor& rows = groups[g * kGroup];
         auto queries = q_all[g] ? q : q.index_select(0, rows);
         o.index_copy_(0, rows, decode_attention(queries, kc, vc, groups[g * kGroup + 1], groups[g * kGroup + 2],
-                                                scale, window));
+                                                scale, window, false));
       }
     }
     auto attn = project(o.view({T, H * D}), w[kOW], w[kOB], packed);
