@@ -127,6 +127,8 @@ def test_a_step_with_adapter_rows_or_autograd_keeps_the_python_loop():
     meta.plan = grouped.plan(meta, {None})
     caches = [(torch.zeros(80, 2, 32), torch.zeros(80, 2, 32)) for _ in model.attention_layers]
     h, residual, cos, sin = torch.randn(1, 128), torch.randn(1, 128), torch.ones(1, 32), torch.zeros(1, 32)
+    with torch.inference_mode():
+        assert loop(h, residual.clone(), cos, sin) is None  # outside a step: no metadata
     with forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches)):
         with torch.inference_mode():
             assert loop(h, residual.clone(), cos, sin) is not None

@@ -3,8 +3,9 @@
 Five sources make it up (layers/csrc/), each described by the module that calls it: decode attention over the
 paged cache (attention/cpu_kernels.py), chunked-prefill attention in AVX512-BF16 (attention/cpu_prefill.py),
 the fused elementwise ops of a decoder layer: residual add + RMSNorm, rotary, SiLU-and-mul (cpu_elementwise.py),
-the sampler's draw from each row's probabilities (sampler.py) and the decoder's layer loop, which calls the
-others (cpu_layer_loop.py). One build, not five: each costs ~30-60 s of compiling on a fresh machine.
+the sampler's draw from each row's probabilities and its greedy argmax (sampler.py), and the decoder's layer
+loop, which calls the others (cpu_layer_loop.py). One build, not five: each costs ~30-60 s of compiling on a fresh
+machine.
 
 The build is compiled with `-march=native` into torch's extension cache under a name that carries the CPU model,
 the torch version and the sources (`machine_key`), so another CPU or an edited kernel builds anew. It needs a

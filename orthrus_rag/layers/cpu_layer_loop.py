@@ -17,8 +17,6 @@ group of the step's plan on the C++ kernels (`grouped.kernel_plan`); any other s
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -26,7 +24,6 @@ from orthrus_rag.layers import linear
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
 
-logger = logging.getLogger(__name__)
 _NO_BIAS = torch.empty(0)  # csrc/layer_loop.py reads a zero-element bias as "none"
 
 
@@ -78,7 +75,8 @@ class LayerLoop:
         """Every layer on `h` (the first layer's normed input) and `residual` (updated in place), as
         DecoderModel's fused loop; None where this step must take the Python loop."""
         ctx = get_forward_context()
-        if ctx.lora_rows or torch.is_grad_enabled() or h.device.type != "cpu":
+        # NOTE: outside a runner step (no metadata) the Python loop says so itself
+        if ctx.attn is None or ctx.lora_rows or torch.is_grad_enabled() or h.device.type != "cpu":
             return None
         kernel_plan = getattr(ctx.attn_backend, "kernel_plan", None)
         plan = kernel_plan(ctx.attn) if kernel_plan is not None else None

@@ -31,6 +31,9 @@ inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Te
   return at::linear(x, w, bias(b));
 }
 
+constexpr int64_t kWeights = 10;  // per layer, in this order:
+enum { kQkvW, kQkvB, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNextNorm };
+constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], lengths [G]
 }  // namespace loop_detail
 
 // Whether this torch has the op with the signature above (else the loop takes only dense weights).
@@ -43,21 +46,15 @@ bool layer_loop_pointwise() {
   }
 }
 
-namespace loop_detail {
-constexpr int64_t kWeights = 10;  // per layer, in this order:
-enum { kQkvW, kQkvB, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNextNorm };
-constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], lengths [G]
-}  // namespace loop_detail
-
 // The fast path of models/llama.py's DecoderModel.forward (its fused branch: DecoderLayer.forward_fused per layer),
-// every layer in one call: the same kernels
-// in the same order as the Python layers call them, so the result is bit for bit theirs. h: the first layer's
-// normed input [T, N]; residual [T, N], the running sum (updated in place); cos / signed sin [T, D]. Per layer:
-// kWeights tensors (weights packed or dense, per `packed`), two caches, eps (post-attention, next norm) and a
-// window (-1: none). The attention plan (attention/grouped.py's kernel_plan): the step's slot_mapping, the chunks
-// of the prefill kernel (none, or q_start, q_len, ctx_len, key_slots) and the decode-kernel groups (kGroup
-// tensors each; q_all[g]: the group is every row in order, so its queries are q itself and its output is the
-// layer's). shape: heads, KV heads, head dim, intermediate size. Returns the last norm's output [T, N].
+// every layer in one call: the same kernels in the same order as the Python layers call them, so the result is
+// bit for bit theirs. h: the first layer's normed input [T, N]; residual [T, N], the running sum (updated in
+// place); cos / signed sin [T, D]. Per layer: kWeights tensors (weights packed or dense, per `packed`), two caches,
+// eps (post-attention, next norm) and a window (-1: none). The attention plan (attention/grouped.py's
+// kernel_plan): the step's slot_mapping, the chunks of the prefill kernel (none, or q_start, q_len, ctx_len,
+// key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in order, so its
+// queries are q itself and its output is the layer's). shape: heads, KV heads, head dim, intermediate size.
+// Returns the last norm's output [T, N].
 torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
                          std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, std::vector<double> eps,
                          std::vector<int64_t> windows, std::vector<int64_t> shape, bool packed, double scale,
