@@ -24,6 +24,20 @@ static inline void prefetch_row(const T* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// Each of `rows` rows of n scores (contiguous) becomes its softmax, in place.
+static inline void softmax_rows(float* s, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sg = s + r * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n; ++p) m = std::max(m, sg[p]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < n; ++p) { sg[p] = std::exp(sg[p] - m); total += sg[p]; }
+    const float inv = 1.f / total;
+    for (int64_t p = 0; p < n; ++p) sg[p] *= inv;
+  }
+}
+
 // q [B, H, D] (rows strided: a view of the fused projection's output); caches [slots, KVH, D]; key_slots [B, W]
 // (int64); seq_lens [B] (int64); out [B, H, D] contiguous. q, the caches and out share T (fp32 or bf16): the
 // conversions to and from fp32 happen here, per row, not as separate torch ops (two per layer at decode sizes).
@@ -66,16 +80,7 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const t
           }
         }
       }
-      for (int64_t hg = 0; hg < H; ++hg) {
-        float* sg = scores.data() + hg * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < n; ++p) m = std::max(m, sg[p]);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t p = 0; p < n; ++p) { sg[p] = std::exp(sg[p] - m); total += sg[p]; }
-        const float inv = 1.f / total;
-        for (int64_t p = 0; p < n; ++p) sg[p] *= inv;
-      }
+      softmax_rows(scores.data(), H, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < std::min(n, kAhead); ++p) prefetch_row(vp + sb[p] * R, row_bytes);
       for (int64_t p = 0; p < n; ++p) {
@@ -210,16 +215,7 @@ void attend_one(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const
     for (int64_t g = 0; g < G; ++g)
       scores_of<NC>(q + (h * G + g) * D, kp, rows, n, R, h * D, scale, s + (h * G + g) * n, h == 0 && g == 0);
   fetch(vp, rows, 0, std::min(n, kAheadKeys), R);
-  for (int64_t hg = 0; hg < H; ++hg) {
-    float* sg = s + hg * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n; ++p) m = std::max(m, sg[p]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < n; ++p) { sg[p] = std::exp(sg[p] - m); total += sg[p]; }
-    const float inv = 1.f / total;
-    for (int64_t p = 0; p < n; ++p) sg[p] *= inv;
-  }
+  softmax_rows(s, H, n);
   for (int64_t h = 0; h < KVH; ++h) {
     const float* w = s + h * G * n;
     uint16_t* o = out + h * G * D;
