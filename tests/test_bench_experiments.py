@@ -110,17 +110,19 @@ def test_poisson_submits_on_schedule_per_rate(bench_script, tmp_path):
 
 def test_iter_retgen_runs_every_system_through_the_same_app(bench_script, tmp_path):
     cfg = compose_bench("iter_retgen", tmp_path, "experiment.dataset_path=null", "experiment.app_experiment=smoke",
-                        "experiment.limit=2", "experiment.policies=[orthrus,dedicated]", "experiment.peers=[hf]",
-                        # NOTE: fp32 and one linear kernel: rows then do not depend on the batch around them or on
-                        # the thread count (`auto` times kernels per thread count: 2 in process, 1 per worker); in
-                        # bf16 (the default where the CPU has it) greedy decoding flips at near-ties
+                        "experiment.limit=1", "experiment.policies=[orthrus,dedicated]", "experiment.peers=[hf]",
+                        # NOTE: one question, fp32 and one linear kernel: each step then holds the same rows in both
+                        # systems (two questions in flight batch by timing, and a GEMM's rows are not bit-equal at
+                        # every batch size: a prediction flipped at its first token once on a fresh clone), and
+                        # `auto` would time kernels per thread count (2 in process, 1 per worker); in bf16 (the
+                        # default where the CPU has it) greedy decoding flips at near-ties
                         'experiment.overrides=["pipeline.max_tokens=8","pipeline.iterations=1","model.dtype=float32",'
                         '"model.linear_kernel=dense"]')
     bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["policies"]) == {"orthrus", "dedicated", "hf"}
     for s in res["policies"].values():
-        assert s["num_questions"] == 2 and s["num_failed"] == 0
+        assert s["num_questions"] == 1 and s["num_failed"] == 0
     servings = {name: s["config"]["serving"] for name, s in res["policies"].items()}
     assert servings == {"orthrus": "engine (orthrus)", "dedicated": "dedicated (1, 1)", "hf": "hf"}
     assert "engine" in res["policies"]["orthrus"] and "engine" not in res["policies"]["dedicated"]
@@ -129,7 +131,7 @@ def test_iter_retgen_runs_every_system_through_the_same_app(bench_script, tmp_pa
         return [json.loads(line) for line in (tmp_path / system / "records.jsonl").read_text().splitlines()]
 
     # greedy, the same engine: the deployment answers and retrieves exactly as the one engine does
-    assert len(records("orthrus")) == len(records("dedicated")) == 2
+    assert len(records("orthrus")) == len(records("dedicated")) == 1
     for a, b in zip(records("orthrus"), records("dedicated")):
         assert a["prediction"] == b["prediction"]
         assert [r["id"] for r in a["iterations"][0]["retrieved"]] == [r["id"] for r in b["iterations"][0]["retrieved"]]
