@@ -88,7 +88,8 @@ class LayerLoop:
         if (self._weights is None or self._weights[0].dtype != h.dtype or len(ctx.kv_caches) != len(self.windows)
                 or ctx.kv_caches[0][0].dtype != h.dtype):
             return None  # NOTE: the Python loop copes (write_kv casts nothing in C++, it checks)
-        slot_mapping, chunks, groups, q_all = plan
+        slot_mapping, chunks, groups, q_all, identity = plan
         caches = [c for kv in ctx.kv_caches for c in kv]
         return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,
-                                    self.packed, self.scale, slot_mapping, chunks, groups, q_all)
+                                    self.packed, self.scale, slot_mapping, chunks, groups, q_all,
+                                    identity)

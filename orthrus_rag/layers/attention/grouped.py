@@ -160,14 +160,15 @@ def plan(meta: AttentionMetadata, windows: set[int | None]) -> GroupedPlan:
 
 def kernel_plan(meta: AttentionMetadata) -> tuple | None:
     """The step's plan as the C++ layer loop takes it (layers/cpu_layer_loop.py): the slot mapping, the prefill
-    kernel's chunks ([] or four tensors), each decode group's rows, [G, W] key slots and lengths, and whether it
-    is every row in order; None if some group runs on SDPA (the loop calls only the C++ kernels)."""
+    kernel's chunks ([] or four tensors), each decode group's rows, [G, W] key slots and lengths, whether each
+    is every row in order, and the plan's `identity`; None if some group runs on SDPA (the loop calls only the
+    C++ kernels)."""
     p: GroupedPlan = meta.plan
     if any(g.lengths is None for g in p.groups):
         return None
     chunks = [] if p.chunks is None else [p.chunks.q_start, p.chunks.q_len, p.chunks.ctx_len, p.chunks.key_slots]
     groups = [t for g in p.groups for t in (g.q_rows, g.key_slots.view(len(g.seqs), g.width), g.lengths)]
-    return meta.slot_mapping, chunks, groups, [int(g.q_all) for g in p.groups]
+    return meta.slot_mapping, chunks, groups, [int(g.q_all) for g in p.groups], p.identity
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -53,13 +53,13 @@ bool layer_loop_pointwise() {
 // eps (post-attention, next norm) and a window (-1: none). The attention plan (attention/grouped.py's
 // kernel_plan): the step's slot_mapping, the chunks of the prefill kernel (none, or q_start, q_len, ctx_len,
 // key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in order, so its
-// queries are q itself and its output is the layer's). shape: heads, KV heads, head dim, intermediate size.
-// Returns the last norm's output [T, N].
+// queries are q itself; identity: the plan's one such group and no chunks, so its output is the layer's).
+// shape: heads, KV heads, head dim, intermediate size. Returns the last norm's output [T, N].
 torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
                          std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, std::vector<double> eps,
                          std::vector<int64_t> windows, std::vector<int64_t> shape, bool packed, double scale,
                          torch::Tensor slot_mapping, std::vector<torch::Tensor> chunks,
-                         std::vector<torch::Tensor> groups, std::vector<int64_t> q_all) {
+                         std::vector<torch::Tensor> groups, std::vector<int64_t> q_all, bool identity) {
   using namespace loop_detail;
   // NOTE: a whole forward: other Python threads (the server's event loop) run meanwhile, as they did beside the
   // Python loop's torch ops; the arguments are C++ values by now, and an exception re-takes the GIL on its way out
@@ -71,7 +71,7 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
               groups.size() / kGroup == q_all.size() && !(chunks.empty() && q_all.empty()),
               "layer_loop: argument counts");
   const int64_t H = shape[0], KVH = shape[1], D = shape[2], I = shape[3], T = h.size(0);
-  const bool identity = chunks.empty() && q_all.size() == 1 && q_all[0] != 0;
+  TORCH_CHECK(!identity || (chunks.empty() && q_all.size() == 1 && q_all[0] != 0), "layer_loop: identity plan");
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + l * kWeights;
     const torch::Tensor& kc = caches[2 * l];
