@@ -25,8 +25,9 @@ class ModelConfig:
     # one ("generate" | "embed" | "both")
     adapters: dict[str, str] = field(default_factory=dict)
     adapter_kinds: dict[str, str] = field(default_factory=dict)
-    # how adapter rows are added in a step with several adapters: "auto" (by adapters in the step, measured:
-    # layers/lora.py), "per_slot" (two small products per adapter) or "stacked" (all adapters' A and B at once)
+    # how adapter rows are added: "auto" (on CPU with cpu_fused_kernels: a C++ kernel, one call per projection
+    # and adapter, layers/lora_fused.py; elsewhere by adapters in the step, measured: layers/lora.py), "per_slot"
+    # (two small torch products per adapter) or "stacked" (all adapters' A and B at once)
     lora_kernel: str = "auto"
     embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
     # "auto": bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 / AMX: 3-4x fp32's GEMMs there),
@@ -47,7 +48,7 @@ class ModelConfig:
     # on CPU, fp32 or bf16: residual add + RMSNorm, rotary and SiLU-and-mul as fused C++ kernels (else torch ops)
     cpu_fused_kernels: bool = True
     # on CPU, with cpu_fused_kernels: the decoder's layers in one C++ call per step (no Python between the
-    # kernels) where no adapter rows ride in it; else the Python loop of the same kernels
+    # kernels; adapter rows too, under lora_kernel=auto); else the Python loop of the same kernels
     cpu_layer_loop: bool = True
     # on CPU: the sampler's draw from each row's probabilities in a C++ kernel (else an fp64 cumsum in torch),
     # and greedy rows' argmax (else torch.argmax, ~4x slower on a 49k vocabulary)

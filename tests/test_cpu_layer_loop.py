@@ -11,7 +11,8 @@ from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.attention import build_metadata, cpu_prefill, grouped
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.linear import pack_linears, pack_module
-from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters
+from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel
+from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
 from orthrus_rag.models.llama import CausalLM
 
 # NOTE: the extension builds on first use (a minute on a fresh machine): not part of the fast subset
@@ -28,7 +29,8 @@ def kernels_built():
         pytest.fail("the CPU extension did not build (a compiler and ninja are installed with the project)")
 
 
-def _model(kind: str, dtype: torch.dtype, packed: bool, lora: bool = False) -> CausalLM:
+def _model(kind: str, dtype: torch.dtype, packed: bool, lora: str | None = None) -> CausalLM:
+    """`lora`: None, "torch" (two adapters on torch's ops) or "kernel" (on the LoRA kernel, as the engine loads)."""
     config = {"llama": LlamaConfig(**COMMON), "qwen2": Qwen2Config(**COMMON),  # qwen2: Q/K/V biases
               "biases": LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),  # every projection's
               "mistral": MistralConfig(**COMMON, sliding_window=6), "qwen3": Qwen3Config(**COMMON, head_dim=32)}[kind]
@@ -41,12 +43,20 @@ def _model(kind: str, dtype: torch.dtype, packed: bool, lora: bool = False) -> C
     model.fuse_projections()
     model.use_cpu_kernels()
     if lora:  # wrapped as an engine with adapters has them, before packing (as loading.py does)
-        names = [f"model.layers.{i}.{m}" for i in range(COMMON["num_hidden_layers"])
-                 for m in ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
         modules = dict(model.named_modules())
-        weights = {n: (torch.randn(4, modules[n].in_features, dtype=dtype),
-                       torch.randn(modules[n].out_features, 4, dtype=dtype)) for n in names}
-        attach_adapters(model, [LoRAAdapter("a", 4, 2.0, weights)])
+        adapters = []
+        # NOTE: two adapters of other ranks and targets: one leaves k, gate and o unadapted, the other v and down
+        for name, rank, targets in (("a", 4, ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                               "mlp.up_proj", "mlp.down_proj")),
+                                    ("b", 8, ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj",
+                                              "mlp.up_proj"))):
+            names = [f"model.layers.{i}.{m}" for i in range(COMMON["num_hidden_layers"]) for m in targets]
+            weights = {n: (0.3 * torch.randn(rank, modules[n].in_features, dtype=dtype),
+                           0.3 * torch.randn(modules[n].out_features, rank, dtype=dtype)) for n in names}
+            adapters.append(LoRAAdapter(name, rank, 2.0 / rank, weights))
+        attach_adapters(model, adapters)
+        if lora == "kernel":
+            use_cpu_lora_kernel(model)
     if packed:
         pack_linears(model)
     return model
@@ -65,8 +75,9 @@ class Spy:
         return out
 
 
-def _steps(model: CausalLM, steps, prefill_kernel: bool):
-    """Run `steps` (each a list of (sequence, new tokens)) on fresh caches; the hidden states of every step."""
+def _steps(model: CausalLM, steps, prefill_kernel: bool, slots: dict[int, int] | None = None):
+    """Run `steps` (each a list of (sequence, new tokens)) on fresh caches; the hidden states of every step.
+    `slots`: the adapter slot of each sequence that has one (its rows are the step's adapter rows)."""
     layers = model.attention_layers
     dtype = model.lm_head.weight.dtype
     caches = [(torch.zeros(128, a.num_kv_heads, a.head_dim, dtype=dtype),
@@ -81,8 +92,15 @@ def _steps(model: CausalLM, steps, prefill_kernel: bool):
                               [True] * len(step), BLOCK, 64, torch.device("cpu"))
         meta.decode_kernel, meta.prefill_kernel = True, prefill_kernel
         meta.plan = grouped.plan(meta, {a.window for a in layers})
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for s, n in step:
+            if (slots or {}).get(s):
+                rows.setdefault(slots[s], []).extend(range(start, start + n))
+            start += n
+        lora_rows = [(slot, torch.tensor(r)) for slot, r in sorted(rows.items())]
         with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped,
-                                                                    kv_caches=caches)):
+                                                                    kv_caches=caches, lora_rows=lora_rows)):
             outs.append(model(ids, meta.positions))
         for s, n in step:
             done[s] += n
@@ -98,18 +116,20 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("kind,lora", [("llama", False), ("qwen2", False), ("biases", False), ("mistral", False),
-                                       ("llama", True)])
+@pytest.mark.parametrize("kind,lora", [("llama", None), ("qwen2", None), ("biases", None), ("mistral", None),
+                                       ("llama", "torch"), ("llama", "kernel")])
 @pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
                                           (torch.bfloat16, True)])
 def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
-    """Every step without adapter rows: a LoRA-wrapped model's steps too (its wrappers add nothing then)."""
+    """Every step of a plain model; a LoRA-wrapped model's steps without adapter rows on torch's ops (its wrappers
+    add nothing then), and with rows of two adapters beside base rows on the LoRA kernel."""
     prefill_kernel = dtype is torch.bfloat16 and cpu_prefill.prefill_kernel_available(dtype, 32)
     model = _model(kind, dtype, packed, lora)
-    want, want_caches = _steps(model, STEPS, prefill_kernel)
+    slots = {0: 1, 2: 2} if lora == "kernel" else None  # sequence 1 stays on the base weights
+    want, want_caches = _steps(model, STEPS, prefill_kernel, slots)
     assert model.use_cpu_layer_loop()
     spy = model.model.layer_loop = Spy(model.model.layer_loop)
-    got, got_caches = _steps(model, STEPS, prefill_kernel)
+    got, got_caches = _steps(model, STEPS, prefill_kernel, slots)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
@@ -118,8 +138,8 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
     assert (spy.taken, spy.left) == ((5, 0) if prefill_kernel else (3, 2))
 
 
-def test_a_step_with_adapter_rows_or_autograd_keeps_the_python_loop():
-    model = _model("llama", torch.float32, True)
+def test_a_step_with_adapter_rows_on_torchs_ops_or_autograd_keeps_the_python_loop():
+    model = _model("llama", torch.float32, True, lora="torch")
     assert model.use_cpu_layer_loop()
     loop = model.model.layer_loop
     meta = build_metadata([1], [0], [[0]], [True], BLOCK, 64, torch.device("cpu"))
@@ -136,6 +156,10 @@ def test_a_step_with_adapter_rows_or_autograd_keeps_the_python_loop():
             assert loop(h, residual.clone(), cos, sin) is None
     with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches,
                                                                 lora_rows=[(1, torch.tensor([0]))])):
+        assert loop(h, residual.clone(), cos, sin) is None  # the adapters' layers add through torch's ops
+        use_cpu_lora_kernel(model)
+        assert loop(h, residual.clone(), cos, sin) is not None  # through the kernel, which the loop calls too
+        set_lora_kernel(model, "per_slot")
         assert loop(h, residual.clone(), cos, sin) is None
     with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped,
                                                                 kv_caches=caches[:-1])):
@@ -185,3 +209,28 @@ def test_the_engine_switch_and_its_tokens(smol_path, smol_tokenizer):
     got, want = on.generate(prompts, params), off.generate(prompts, params)
     assert [list(r.token_ids) for r in got] == [list(r.token_ids) for r in want]
     assert spy.taken > 0
+
+
+def test_the_shipped_adapters_rows_take_the_loop_and_its_embeddings(smol_path):
+    """`model=smollm2_backbone` in bf16: embedding rows under the shipped adapter run in the C++ loop (through the
+    LoRA kernel) and embed as the Python loop of the same kernels does, bit for bit; generations beside them too."""
+    from orthrus_rag import Engine, PoolingParams
+    from orthrus_rag.params import SamplingParams
+    from tests.conftest import SMOL, engine_overrides
+
+    kw = dict(embedding_adapters="smollm2_embed", dtype="bfloat16")
+    on = Engine.from_pretrained(SMOL, **engine_overrides(**kw))
+    off = Engine.from_pretrained(SMOL, **engine_overrides(**kw, cpu_layer_loop=False))
+    lora = [m for m in on.runner.model.modules() if hasattr(m, "cpu_kernel")]
+    assert lora and all(m.cpu_kernel for m in lora)
+    spy = on.runner.model.model.layer_loop = Spy(on.runner.model.model.layer_loop)
+    texts = ["Rivers begin in the mountains, where rain and snow collect.", "Paris is the capital of France."]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    pooling = PoolingParams(input_type="document")
+    got_gen, got_emb = on.run([[1, 2, 3, 4]], params, texts, pooling)
+    want_gen, want_emb = off.run([[1, 2, 3, 4]], params, texts, pooling)
+    assert spy.taken > 0 and spy.left == 0
+    assert any(s.num_adapter_embed_rows for s in on.step_stats)
+    for g, w in zip(got_emb, want_emb):
+        assert torch.equal(g.embedding, w.embedding)
+    assert got_gen[0].token_ids == want_gen[0].token_ids

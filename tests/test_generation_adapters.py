@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 from orthrus_rag.config import ModelConfig
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
+from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
 from scripts.make_lora_adapter import make_adapter
 from tests.conftest import SMOL, engine_overrides
 from tests.test_model_parity import (ATOL, NEAR_TIE, SEQ_LEN, _assert_all_blocks_free, _build, _engine,
@@ -74,11 +75,15 @@ def _check_close(engine: Engine, adapter: str | None, ours: list[int], theirs: l
     assert len(ours) == len(theirs)
 
 
-@pytest.mark.parametrize("kernel", ["per_slot", "stacked"])
+@pytest.mark.parametrize("kernel", ["per_slot", "stacked", "cpu_kernel"])
 def test_generation_adapters_equal_peft_merged_in_mixed_steps(family: dict, kernel: str) -> None:
     """Two generation adapters, the base model and an embedding adapter share steps (chunked prompts and decodes
-    beside embedding chunks); each generation equals its own merged model, the embedding the embedding adapter's."""
-    set_lora_kernel(family["ours"], kernel)
+    beside embedding chunks); each generation equals its own merged model, the embedding the embedding adapter's.
+    `cpu_kernel`: `auto` on the C++ LoRA kernel, as the engine loads a CPU model."""
+    if kernel == "cpu_kernel":
+        assert use_cpu_lora_kernel(family["ours"]) > 0
+    else:
+        set_lora_kernel(family["ours"], kernel)
     try:
         prompts = [_ids(13, 40), _ids(9, 41), _ids(11, 42)]
         text = _ids(SEQ_LEN, 43)
@@ -102,6 +107,7 @@ def test_generation_adapters_equal_peft_merged_in_mixed_steps(family: dict, kern
         _assert_all_blocks_free(engine)
     finally:
         set_lora_kernel(family["ours"], "auto")
+        use_cpu_lora_kernel(family["ours"], enabled=False)
 
 
 def test_kinds_are_enforced(family: dict) -> None:

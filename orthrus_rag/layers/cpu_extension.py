@@ -1,11 +1,11 @@
 """The engine's C++ CPU kernels, built as one torch extension on first use per machine.
 
-Five sources make it up (layers/csrc/), each described by the module that calls it: decode attention over the
+Six sources make it up (layers/csrc/), each described by the module that calls it: decode attention over the
 paged cache (attention/cpu_kernels.py), chunked-prefill attention in AVX512-BF16 (attention/cpu_prefill.py),
 the fused elementwise ops of a decoder layer: residual add + RMSNorm, rotary, SiLU-and-mul (cpu_elementwise.py),
-the sampler's draw from each row's probabilities and its greedy argmax (sampler.py), and the decoder's layer
-loop, which calls the others (cpu_layer_loop.py). One build, not five: each costs ~30-60 s of compiling on a fresh
-machine.
+the sampler's draw from each row's probabilities and its greedy argmax (sampler.py), adapter rows' LoRA updates
+(lora_fused.py), and the decoder's layer loop, which calls the others (cpu_layer_loop.py). One build, not six:
+each costs ~30-60 s of compiling on a fresh machine.
 
 The build is compiled with `-march=native` into torch's extension cache under a name that carries the CPU model,
 the torch version and the sources (`machine_key`), so another CPU or an edited kernel builds anew. It needs a
@@ -21,7 +21,7 @@ import time
 from functools import lru_cache
 from typing import Any
 
-from orthrus_rag.layers.csrc import decode_attention, elementwise, layer_loop, prefill_attention, sampling
+from orthrus_rag.layers.csrc import decode_attention, elementwise, layer_loop, lora, prefill_attention, sampling
 from orthrus_rag.machine import machine_key
 
 logger = logging.getLogger(__name__)
@@ -33,12 +33,13 @@ _LOCK = threading.Lock()
 
 
 def _sources() -> list[str]:
-    # NOTE: the layer loop calls the kernels before it: it comes last
-    return [decode_attention.SOURCE, prefill_attention.SOURCE, elementwise.SOURCE, sampling.SOURCE, layer_loop.SOURCE]
+    # NOTE: the layer loop calls the kernels before it: it comes last (and LoRA reads elementwise's helpers)
+    return [decode_attention.SOURCE, prefill_attention.SOURCE, elementwise.SOURCE, sampling.SOURCE, lora.SOURCE,
+            layer_loop.SOURCE]
 
 
 FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_attention_supported", "add_rms_norm",
-             "rotary", "silu_mul", "sample_probs", "sample_logits", "argmax_rows",
+             "rotary", "silu_mul", "sample_probs", "sample_logits", "argmax_rows", "lora_add",
              "layer_loop", "layer_loop_pointwise"]
 
 

@@ -9,10 +9,11 @@ the same order from C++ (csrc/layer_loop.py): the GEMMs through the dispatcher's
 fused elementwise ops; so its output is the Python loop's, bit for bit.
 
 It runs a step only when the Python loop would do nothing else: the model's plain Llama layers on the fused
-kernels (`CausalLM.use_cpu_kernels`, fused Q/K/V and gate/up, no per-head norms), no adapter rows in the step
-(LoRA and full-delta rows keep the Python loop, which adds them per module), no autograd, and every attention
-group of the step's plan on the C++ kernels (`grouped.kernel_plan`); any other step takes the Python loop.
-`cpu_layer_loop=false` turns it off.
+kernels (`CausalLM.use_cpu_kernels`, fused Q/K/V and gate/up, no per-head norms), adapter rows only where every
+adapted projection adds them through the LoRA kernel (layers/lora_fused.py, which the loop calls with the Python
+layers' arguments; `lora_kernel=per_slot` / `stacked` keep the Python loop; full-delta norms keep it too, since
+the fused norms are off there), no autograd, and every attention group of the step's plan on the C++ kernels
+(`grouped.kernel_plan`); any other step takes the Python loop. `cpu_layer_loop=false` turns it off.
 """
 
 from __future__ import annotations
@@ -23,8 +24,41 @@ from torch import nn
 from orthrus_rag.layers import linear
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
+from orthrus_rag.layers.lora_fused import LoRAGroup, adapter_generation, cached_group
 
 _NO_BIAS = torch.empty(0)  # csrc/layer_loop.py reads a zero-element bias as "none"
+_NO_ADAPTERS: tuple[list, list, list] = ([], [], [])
+
+
+def _groups(layer: nn.Module) -> list[LoRAGroup | None]:
+    """A layer's adapted projections in the C++ loop's order (Q/K/V, O, gate/up, down), as its modules add them."""
+    att, mlp = layer.self_attn, layer.mlp
+    out: list[LoRAGroup | None] = []
+    for owner, fused, single in ((att, "qkv", att.o_proj), (mlp, "gate_up", mlp.down_proj)):
+        fusion = owner.fusions[fused]
+        out.append(cached_group(fusion, [owner._modules[n] for n in fusion.names], fusion.sizes))
+        out.append(cached_group(single, [single], [single.out_features]) if getattr(single, "scalings", None)
+                   else None)
+    return out
+
+
+def _encode(groups: list[LoRAGroup | None], dtype: torch.dtype) -> tuple[tuple[list, list, list], bool]:
+    """The adapters as csrc/layer_loop.py's `Adapters` reads them, and whether the loop may take adapter rows."""
+    ints: list[int] = []
+    tensors: list[torch.Tensor] = []
+    scales: list[float] = []
+    ok = True
+    for group in groups:
+        if group is None:
+            ints.append(0)
+            continue
+        ok = ok and group.usable and group.dtype == dtype
+        ints.append(len(group.entries))
+        for slot, e in sorted(group.entries.items()):
+            ints += [slot, len(e.bts), *e.out_starts, *e.col_starts]
+            tensors += [e.a, *e.bts]
+            scales.append(e.scaling)
+    return ((tensors, ints, scales) if tensors else _NO_ADAPTERS), ok
 
 
 def _affine(module: nn.Linear, packed: bool) -> list[torch.Tensor]:
@@ -35,12 +69,14 @@ def _affine(module: nn.Linear, packed: bool) -> list[torch.Tensor]:
 
 class LayerLoop:
     """The C++ layer loop of one DecoderModel whose layers it covers (`CausalLM.use_cpu_layer_loop` checks); its
-    arguments are gathered once, and again if packing changed."""
+    arguments are gathered once, and again if packing, adapters or LoRA settings changed."""
 
     def __init__(self, model: nn.Module) -> None:  # NOTE: a models/llama.py DecoderModel
         self.model = model
         self._weights: list[torch.Tensor] | None = None
-        self._built_for = -1  # linear.pack_generation() the arguments were gathered at
+        # (linear.pack_generation(), lora_fused.adapter_generation()) the arguments were gathered at
+        self._built_for: tuple[int, int] | None = None
+        self._adapters, self._adapters_ok = _NO_ADAPTERS, True
         # NOTE: the packed weights' op as the C++ names its signature (a torch without it: dense weights only)
         self._pointwise = bool(kernels().layer_loop_pointwise())
 
@@ -69,6 +105,8 @@ class LayerLoop:
                       model.layers[0].mlp.fusions["gate_up"].sizes[0]]
         self.scale = first.scale
         self._weights = weights
+        self._adapters, self._adapters_ok = _encode([g for layer in model.layers for g in _groups(layer)],
+                                                    weights[0].dtype)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor | None:
@@ -76,20 +114,25 @@ class LayerLoop:
         DecoderModel's fused loop; None where this step must take the Python loop."""
         ctx = get_forward_context()
         # NOTE: outside a runner step (no metadata) the Python loop says so itself
-        if ctx.attn is None or ctx.lora_rows or torch.is_grad_enabled() or h.device.type != "cpu":
+        if ctx.attn is None or torch.is_grad_enabled() or h.device.type != "cpu":
             return None
         kernel_plan = getattr(ctx.attn_backend, "kernel_plan", None)
         plan = kernel_plan(ctx.attn) if kernel_plan is not None else None
         if plan is None:
             return None
-        if self._built_for != linear.pack_generation():
+        built_for = (linear.pack_generation(), adapter_generation())
+        if self._built_for != built_for:
             self._gather()
-            self._built_for = linear.pack_generation()
+            self._built_for = built_for
+        if ctx.lora_rows and not self._adapters_ok:
+            return None
         if (self._weights is None or self._weights[0].dtype != h.dtype or len(ctx.kv_caches) != len(self.windows)
                 or ctx.kv_caches[0][0].dtype != h.dtype):
             return None  # NOTE: the Python loop copes (write_kv casts nothing in C++, it checks)
         slot_mapping, chunks, groups, q_all, identity = plan
         caches = [c for kv in ctx.kv_caches for c in kv]
+        lora_w, lora_ints, lora_scales = self._adapters if ctx.lora_rows else _NO_ADAPTERS
         return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,
-                                    self.packed, self.scale, slot_mapping, chunks, groups, q_all,
-                                    identity)
+                                    self.packed, self.scale, slot_mapping, chunks, groups, q_all, identity,
+                                    lora_w, lora_ints, lora_scales, [s for s, _ in ctx.lora_rows],
+                                    [r for _, r in ctx.lora_rows])

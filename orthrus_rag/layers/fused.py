@@ -4,7 +4,7 @@ Checkpoints, PEFT adapters and state_dict keep naming the separate layers (`q_pr
 stay registered modules; `fuse` concatenates their weights into one matrix held by an unregistered carrier Linear
 and re-points each layer's Parameters at views of it (no second copy). The forward computes all parts with one
 GEMM and splits the output; parts wrapped by a LoRA adapter add their low-rank update to their own slice, so
-adapter rows still apply per projection.
+adapter rows still apply per projection (on the CPU, the parts' updates in one kernel call: layers/lora_fused.py).
 
 Fuse after the model is on its device and dtype (`.to()` would copy the parts apart again) and after loading
 weights; loading into a fused model still works, since the parts are views.
@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.linear import linear
+from orthrus_rag.layers.lora_fused import cached_group
 
 
 class Fusion:
@@ -49,9 +51,17 @@ class Fusion:
     def __call__(self, owner: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
         """The parts' outputs (views of one [T, Σ out] result), LoRA updates added per part."""
         y = linear(self.carrier, x)
-        outs = list(y.split(self.sizes, dim=-1))
-        for i, name in enumerate(self.names):
+        lora_rows = get_forward_context().lora_rows
+        if lora_rows:
             # NOTE: the child straight from _modules: nn.Module.__getattr__'s fallback costs ~1 us a name per layer
+            group = cached_group(self, [owner._modules[name] for name in self.names], self.sizes)
+            if group is not None and group.applies(x):  # the C++ kernel: every part's update in one call
+                group.add(x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), lora_rows)
+                lora_rows = []
+        outs = list(y.split(self.sizes, dim=-1))
+        if not lora_rows:
+            return outs
+        for i, name in enumerate(self.names):
             add_lora = getattr(owner._modules[name], "add_lora", None)
             if add_lora is not None:
                 outs[i] = add_lora(x, outs[i])

@@ -11,7 +11,9 @@ Two ways to add the updates of a step with several adapters (`ModelConfig.lora_k
   row's own adapter's columns (scaled). More arithmetic (each row meets every adapter's rank) for a constant
   number of ops, which wins once the per-op overhead of many adapters dominates.
 `auto` takes `stacked` from `STACKED_FROM_ADAPTERS` adapters in a step (measured: BENCHMARKS.md,
-scripts/bench_lora.py).
+scripts/bench_lora.py). On the CPU, a model the engine loads with its fused kernels adds the updates under `auto`
+through a C++ kernel instead, one call per projection and adapter (layers/lora_fused.py); `per_slot` and
+`stacked` keep torch's ops there too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from orthrus_rag.config import LORA_KERNELS
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.wrapping import wrap_once
 from orthrus_rag.layers.linear import linear
+from orthrus_rag.layers.lora_fused import adapters_changed, cached_group
 from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas, load_full_deltas
 
 logger = logging.getLogger(__name__)
@@ -136,6 +139,7 @@ class LoRALinear(nn.Linear):
             self._fused = True
         self.scalings: dict[int, float] = {}
         self.kernel = "auto"  # set_lora_kernel
+        self.cpu_kernel = False  # lora_fused.use_cpu_lora_kernel: `auto` on the CPU takes the C++ kernel
         self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple] | None = None
 
     def add_adapter(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
@@ -145,6 +149,7 @@ class LoRALinear(nn.Linear):
         self.register_buffer(f"lora_B_{slot}", b.to(**like).contiguous(), persistent=False)
         self.scalings[slot] = scaling
         self._stack = None
+        adapters_changed()
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
         """(A [sum r, in], B [out, sum r], each column's slot [sum r], each column's scaling [sum r], a key of the
@@ -172,6 +177,10 @@ class LoRALinear(nn.Linear):
             return y
         # rows index the flattened leading dims, so [B, S, in] and the engine's [T, in] are treated alike
         x2, y2 = x.reshape(-1, self.in_features), y.reshape(-1, self.out_features)
+        group = cached_group(self, [self], [self.out_features])
+        if group is not None and group.applies(x2):
+            group.add(x2, y2, lora_rows)
+            return y2.view(y.shape)
         if self.kernel == "stacked" or (self.kernel == "auto" and len(lora_rows) >= STACKED_FROM_ADAPTERS):
             return self._add_stacked(x2, y2, lora_rows).view(y.shape)
         for slot, rows in lora_rows:
@@ -214,6 +223,7 @@ def set_lora_kernel(model: nn.Module, kernel: str) -> None:
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.kernel = kernel
+    adapters_changed()
 
 
 def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, int]:

@@ -16,6 +16,7 @@ from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
+from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
 from orthrus_rag.machine import machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
@@ -73,6 +74,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         model.compile_elementwise()
     if mc.cpu_fused_kernels and torch.device(mc.device).type == "cpu" and cpu_elementwise.available(mc.torch_dtype):
         model.use_cpu_kernels()
+        use_cpu_lora_kernel(model)  # adapter updates through the C++ kernel under lora_kernel=auto
     if _use_onednn(mc.linear_kernel, model, mc.torch_dtype, mc.device):
         pack_linears(model)  # after the adapters: LoRALinear keeps the packed copy of the layer it wraps
         if encoder is not None:

@@ -1,7 +1,7 @@
 """C++ source of the decoder's layer loop on the CPU (its wrapper and notes: layers/cpu_layer_loop.py).
 
 It calls the other CPU kernels of the extension (decode and prefill attention, write_kv, the fused elementwise
-ops), so it comes after their sources in the one translation unit that cpu_extension builds.
+ops, the LoRA kernel), so it comes after their sources in the one translation unit that cpu_extension builds.
 """
 
 SOURCE = r"""
@@ -34,6 +34,42 @@ inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Te
 constexpr int64_t kWeights = 10;  // per layer, in this order:
 enum { kQkvW, kQkvB, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNextNorm };
 constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], lengths [G]
+
+// The adapters of each projection as cpu_layer_loop.py encodes them, read in order: per layer, per projection
+// (Q/K/V, O, gate/up, down), an entry count, then per entry its slot, its part count and the parts' output and A
+// offsets (ints); its A and each part's B transposed (tensors); its scaling. Each entry whose slot has rows in
+// the step adds its update through the kernel Python's layers call (csrc/lora.py).
+struct Adapters {
+  const std::vector<at::Tensor>& w;
+  const std::vector<int64_t>& ints;
+  const std::vector<double>& scales;
+  const std::vector<int64_t>& slots;  // the step's adapter slots, and each one's rows
+  const std::vector<at::Tensor>& rows;
+  size_t i = 0, t = 0, s = 0;
+
+  void add(const at::Tensor& x, const at::Tensor& y) {
+    if (ints.empty()) return;  // NOTE: no adapter rows in this step (or no adapters)
+    const int64_t entries = ints.at(i++);
+    for (int64_t e = 0; e < entries; ++e) {
+      const int64_t slot = ints.at(i), parts = ints.at(i + 1);
+      TORCH_CHECK(i + 2 + 2 * parts <= ints.size() && t + 1 + parts <= w.size() && s < scales.size(),
+                  "layer_loop: adapter arguments");
+      const int64_t* starts = ints.data() + i + 2;
+      const at::Tensor* tensors = w.data() + t;
+      const double scale = scales[s];
+      i += 2 + 2 * parts;
+      t += 1 + parts;
+      ++s;
+      for (size_t k = 0; k < slots.size(); ++k) {
+        if (slots[k] == slot) {  // NOTE: slots' rows are disjoint: the order they are added in changes nothing
+          lora_detail::apply(x, y, rows[k], tensors[0], tensors + 1, starts, starts + parts, parts, scale);
+          break;
+        }
+      }
+    }
+  }
+  bool consumed() const { return i == ints.size() && t == w.size() && s == scales.size(); }
+};
 }  // namespace loop_detail
 
 // Whether this torch has the op with the signature above (else the loop takes only dense weights).
@@ -54,12 +90,16 @@ bool layer_loop_pointwise() {
 // kernel_plan): the step's slot_mapping, the chunks of the prefill kernel (none, or q_start, q_len, ctx_len,
 // key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in order, so its
 // queries are q itself; identity: the plan's one such group and no chunks, so its output is the layer's).
-// shape: heads, KV heads, head dim, intermediate size. Returns the last norm's output [T, N].
+// shape: heads, KV heads, head dim, intermediate size. The adapters (Adapters above: empty where the step has no
+// adapter rows). Returns the last norm's output [T, N].
 torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
                          std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, std::vector<double> eps,
                          std::vector<int64_t> windows, std::vector<int64_t> shape, bool packed, double scale,
                          torch::Tensor slot_mapping, std::vector<torch::Tensor> chunks,
-                         std::vector<torch::Tensor> groups, std::vector<int64_t> q_all, bool identity) {
+                         std::vector<torch::Tensor> groups, std::vector<int64_t> q_all, bool identity,
+                         std::vector<torch::Tensor> lora_w, std::vector<int64_t> lora_ints,
+                         std::vector<double> lora_scales, std::vector<int64_t> lora_slots,
+                         std::vector<torch::Tensor> lora_rows) {
   using namespace loop_detail;
   // NOTE: a whole forward: other Python threads (the server's event loop) run meanwhile, as they did beside the
   // Python loop's torch ops; the arguments are C++ values by now, and an exception re-takes the GIL on its way out
@@ -72,12 +112,15 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
               "layer_loop: argument counts");
   const int64_t H = shape[0], KVH = shape[1], D = shape[2], I = shape[3], T = h.size(0);
   TORCH_CHECK(!identity || (chunks.empty() && q_all.size() == 1 && q_all[0] != 0), "layer_loop: identity plan");
+  TORCH_CHECK(lora_slots.size() == lora_rows.size(), "layer_loop: one rows tensor per adapter slot");
+  Adapters adapters{lora_w, lora_ints, lora_scales, lora_slots, lora_rows};
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + l * kWeights;
     const torch::Tensor& kc = caches[2 * l];
     const torch::Tensor& vc = caches[2 * l + 1];
     const int64_t window = windows[l];
     auto qkv = project(h, w[kQkvW], w[kQkvB], packed);
+    adapters.add(h, qkv);
     auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
     auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
     auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
@@ -100,12 +143,18 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
                                                 scale, window, false));
       }
     }
-    auto attn = project(o.view({T, H * D}), w[kOW], w[kOB], packed);
+    auto o_in = o.view({T, H * D});
+    auto attn = project(o_in, w[kOW], w[kOB], packed);
+    adapters.add(o_in, attn);
     h = add_rms_norm(attn, residual, w[kPostNorm], eps[2 * l]);
     auto gate_up = project(h, w[kGateUpW], w[kGateUpB], packed);
+    adapters.add(h, gate_up);
     auto act = silu_mul(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I));
-    h = add_rms_norm(project(act, w[kDownW], w[kDownB], packed), residual, w[kNextNorm], eps[2 * l + 1]);
+    auto down = project(act, w[kDownW], w[kDownB], packed);
+    adapters.add(act, down);
+    h = add_rms_norm(down, residual, w[kNextNorm], eps[2 * l + 1]);
   }
+  TORCH_CHECK(adapters.consumed(), "layer_loop: adapter arguments left over");
   return h;
 }
 """

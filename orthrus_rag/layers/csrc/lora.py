@@ -1,0 +1,160 @@
+"""C++ source of the CPU LoRA kernel (its wrapper and notes: layers/lora_fused.py).
+
+It reads elementwise's load / store forms of fp32 and bf16, so it comes after that source in the one translation
+unit that cpu_extension builds (and before the layer loop, which calls it).
+"""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace lora_detail {
+// One targeted part of a projection: B transposed [rank, out] in fp32 (so a row of the update is `rank` saxpys
+// over contiguous memory), the part's first output column and its first row of the stacked A.
+struct Part {
+  const float* bt;
+  int64_t rank, out, out_start, col_start;
+};
+
+constexpr int64_t kRows = 4;   // rows a pass reads each A and B row for (their loads shared by four rows)
+constexpr int64_t kLanes = 16;
+constexpr int64_t kCols = 2 * kLanes;  // output columns a pass keeps in registers, per row
+// 16 floats as one value (GCC / clang vector extensions): one AVX-512 register where the CPU has them, two AVX
+// ones elsewhere; keeps the accumulators below in registers, which the plain loops did not (2x slower)
+typedef float V16 __attribute__((vector_size(64)));
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline float sum16(V16 v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// y[row, part] += (scale * x[row] A^T)[part's columns] B_part^T for each row: every sum in fp32, the output
+// rounded once. A [R, in] and the parts' B are fp32 (exact copies of the model dtype's factors: no conversion in
+// the inner loops). Rows are distinct (one task writes each), so blocks of rows run in parallel.
+template <typename K, typename T = typename K::S>
+void add_rows(const T* x, int64_t xs, T* y, int64_t ys, const int64_t* rows, int64_t n, const float* a, int64_t R,
+              int64_t in, const std::vector<Part>& parts, float scale) {
+  int64_t work = R * in;
+  for (const Part& p : parts) work += p.rank * p.out;
+  const int64_t blocks = (n + kRows - 1) / kRows;
+  const int64_t body = in / kLanes * kLanes;
+  // NOTE: ~2^18 multiply-adds a task: a decode step's few rows stay on the calling thread (a wake-up costs more)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(work * kRows, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> xb(kRows * in), h(kRows * R);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t first = blk * kRows, m = std::min(kRows, n - first);
+      // the block's input rows in fp32 (a missing fourth row repeats a real one: computed, never written)
+      for (int64_t r = 0; r < kRows; ++r) {
+        const T* xr = x + rows[first + std::min(r, m - 1)] * xs;
+        float* xf = xb.data() + r * in;
+#pragma omp simd
+        for (int64_t k = 0; k < in; ++k) xf[k] = K::load(xr[k]);
+      }
+      const float* xr[kRows] = {xb.data(), xb.data() + in, xb.data() + 2 * in, xb.data() + 3 * in};
+      for (int64_t c = 0; c < R; ++c) {  // h = x A^T: four rows against each row of A
+        const float* ac = a + c * in;
+        V16 s[kRows] = {};
+        for (int64_t k = 0; k < body; k += kLanes) {
+          const V16 av = load16(ac + k);
+          for (int64_t r = 0; r < kRows; ++r) s[r] += load16(xr[r] + k) * av;
+        }
+        for (int64_t r = 0; r < kRows; ++r) {
+          float t = sum16(s[r]);
+          for (int64_t k = body; k < in; ++k) t += xr[r][k] * ac[k];
+          h[r * R + c] = t * scale;
+        }
+      }
+      for (const Part& p : parts) {  // y += h B^T, 32 columns of four rows at a time
+        for (int64_t j0 = 0; j0 < p.out; j0 += kCols) {
+          const int64_t w = std::min(kCols, p.out - j0);
+          float acc[kRows][kCols];
+          if (w == kCols) {
+            V16 lo[kRows] = {}, hi[kRows] = {};
+            for (int64_t c = 0; c < p.rank; ++c) {
+              const float* b = p.bt + c * p.out + j0;
+              const V16 b0 = load16(b), b1 = load16(b + kLanes);
+              for (int64_t r = 0; r < kRows; ++r) {
+                const float hc = h[r * R + p.col_start + c];
+                lo[r] += hc * b0;
+                hi[r] += hc * b1;
+              }
+            }
+            for (int64_t r = 0; r < kRows; ++r) {
+              std::memcpy(acc[r], &lo[r], sizeof(V16));
+              std::memcpy(acc[r] + kLanes, &hi[r], sizeof(V16));
+            }
+          } else {
+            for (int64_t r = 0; r < kRows; ++r) std::fill(acc[r], acc[r] + w, 0.f);
+            for (int64_t c = 0; c < p.rank; ++c) {
+              const float* b = p.bt + c * p.out + j0;
+              for (int64_t r = 0; r < kRows; ++r) {
+                const float hc = h[r * R + p.col_start + c];
+                for (int64_t j = 0; j < w; ++j) acc[r][j] += hc * b[j];
+              }
+            }
+          }
+          for (int64_t r = 0; r < m; ++r) {
+            T* yo = y + rows[first + r] * ys + p.out_start + j0;
+#pragma omp simd
+            for (int64_t j = 0; j < w; ++j) yo[j] = K::store(K::load(yo[j]) + acc[r][j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+// The checks and the dispatch of lora_add, also called by the layer loop with its own arguments.
+inline void apply(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& rows, const torch::Tensor& a,
+                  const torch::Tensor* bts, const int64_t* out_starts, const int64_t* col_starts, int64_t n_parts,
+                  double scale) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 && x.size(0) == y.size(0),
+              "lora_add: x [T, in] and y [T, out], each with a contiguous last dimension");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() &&
+              (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "lora_add: x and y of one dtype, float32 or bfloat16");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) == x.size(1) && a.scalar_type() == torch::kFloat,
+              "lora_add: A [R, in], contiguous float32");
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == torch::kLong,
+              "lora_add: rows, a 1-d int64 tensor");
+  const int64_t T = x.size(0), R = a.size(0), n = rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < T, "lora_add: row ", r[i], " outside [0, ", T, ")");
+  std::vector<Part> parts;
+  for (int64_t p = 0; p < n_parts; ++p) {
+    const torch::Tensor& bt = bts[p];
+    TORCH_CHECK(bt.dim() == 2 && bt.is_contiguous() && bt.scalar_type() == torch::kFloat &&
+                col_starts[p] >= 0 && col_starts[p] + bt.size(0) <= R && out_starts[p] >= 0 &&
+                out_starts[p] + bt.size(1) <= y.size(1), "lora_add: part ", p, " does not fit A or y");
+    parts.push_back({bt.data_ptr<float>(), bt.size(0), bt.size(1), out_starts[p], col_starts[p]});
+  }
+  if (n == 0) return;
+  if (x.scalar_type() == torch::kFloat)
+    add_rows<elementwise::F32>(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), y.stride(0), r, n,
+                               a.data_ptr<float>(), R, x.size(1), parts, static_cast<float>(scale));
+  else
+    add_rows<elementwise::BF16>(elementwise::bits(x), x.stride(0), elementwise::bits(y), y.stride(0), r, n,
+                                a.data_ptr<float>(), R, x.size(1), parts, static_cast<float>(scale));
+}
+}  // namespace lora_detail
+
+// One adapter's update on `rows` of one projection, in place: y[rows] += scale * (x[rows] A^T) B^T, part by part.
+// x [T, in]; y [T, out] (a fused projection's whole output, rows strided), fp32 or bf16; A [R, in]: the stacked A
+// of the parts this adapter targets; per part: B transposed [r, out_part], its first column in y and its first
+// row in A; A and B in fp32.
+void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor rows, torch::Tensor a, std::vector<torch::Tensor> bts,
+              std::vector<int64_t> out_starts, std::vector<int64_t> col_starts, double scale) {
+  TORCH_CHECK(out_starts.size() == bts.size() && col_starts.size() == bts.size(), "lora_add: one start per part");
+  lora_detail::apply(x, y, rows, a, bts.data(), out_starts.data(), col_starts.data(),
+                     static_cast<int64_t>(bts.size()), scale);
+}
+"""

@@ -1,0 +1,110 @@
+"""LoRA updates on the CPU through one C++ kernel (csrc/lora.py): for one projection and one adapter, both
+products and the add over that adapter's rows in one pass.
+
+Why: the torch path (layers/lora.py's `per_slot`) takes two small products, a gather and a scatter-add per adapter
+and adapted module, 28 ops a layer for an adapter on all seven projections; in bf16 each of those products
+([rows, 576] x [576, 8]) costs ~17-21 us on an EPYC core whatever its size (oneDNN's per-call cost, not the
+arithmetic: BENCHMARKS.md, session 9). The kernel takes a fused projection (Q/K/V, gate/up: layers/fused.py) as
+one: each row of the input meets every targeted part's A in one pass, and each part's B adds into its own slice of
+the fused output. One call per projection and adapter, from Python or from the C++ layer loop
+(layers/cpu_layer_loop.py), which calls it with the same arguments, so the two loops give the same bits.
+
+Numerics: `h = scale * x A^T` and `h B^T` summed in fp32 and added to the output with one rounding, where the torch
+path rounds h, the update and the sum to the model's dtype (in bf16 this path is the closer one to PEFT's merged
+fp32 weights).
+
+Where: models the engine loads on the CPU with the fused kernels (`cpu_fused_kernels`, `use_cpu_lora_kernel`),
+outside autograd, under `lora_kernel=auto` (the default); `per_slot` / `stacked` keep torch's ops, as does a CUDA
+device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from orthrus_rag.layers.cpu_extension import kernels
+
+_GENERATION = [0]  # bumped whenever a model's adapters or LoRA settings change: cached groups are rebuilt
+
+
+def adapter_generation() -> int:
+    return _GENERATION[0]
+
+
+def adapters_changed() -> None:
+    _GENERATION[0] += 1
+
+
+@dataclass
+class Entry:
+    """One adapter on one projection, as the kernel takes it."""
+
+    a: torch.Tensor  # [sum r, in]: A of every part this adapter targets, stacked, in fp32
+    bts: list[torch.Tensor]  # per targeted part: B transposed, [r, out_part], in fp32
+    out_starts: list[int]  # the part's first column in the projection's output
+    col_starts: list[int]  # its first row of `a`
+    scaling: float
+
+
+class LoRAGroup:
+    """The adapters of one projection's LoRA parts (one LoRALinear, or a Fusion's parts, `sizes` their widths)."""
+
+    def __init__(self, parts: Sequence[nn.Module], sizes: Sequence[int]) -> None:
+        self.dtype: torch.dtype | None = None  # the model's (and the factors') dtype
+        halves: dict[int, list] = {}  # slot -> [As, Bts, out starts, col starts, scaling]
+        start = 0
+        for part, size in zip(parts, sizes):
+            for slot, scaling in sorted(getattr(part, "scalings", {}).items()):
+                a, b = getattr(part, f"lora_A_{slot}"), getattr(part, f"lora_B_{slot}")
+                e = halves.setdefault(slot, [[], [], [], [], scaling])
+                # NOTE: attach_adapters gives every module of one adapter its one scaling
+                assert e[4] == scaling, "one adapter, one scaling"
+                e[3].append(sum(x.shape[0] for x in e[0]))
+                e[0].append(a)
+                e[1].append(b.t().float().contiguous())
+                e[2].append(start)
+                self.dtype = a.dtype
+            start += size
+        # NOTE: fp32 copies (exact for bf16 factors): the kernel's inner loops then convert only the input rows
+        self.entries = {slot: Entry(torch.cat(e[0]).float().contiguous(), e[1], e[2], e[3], e[4])
+                        for slot, e in halves.items()}
+        # NOTE: the kernel replaces the torch path only where every LoRA part asked for it
+        lora = [p for p in parts if getattr(p, "scalings", None)]
+        self.usable = bool(lora) and all(getattr(p, "cpu_kernel", False) and p.kernel == "auto" for p in lora)
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return self.usable and x.device.type == "cpu" and x.dtype == self.dtype and not torch.is_grad_enabled()
+
+    def add(self, x2: torch.Tensor, y2: torch.Tensor, lora_rows: list[tuple[int, torch.Tensor]]) -> None:
+        """y2 [T, out] += each adapter's update on its rows of x2 [T, in], in place."""
+        k = kernels()
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        for slot, rows in lora_rows:
+            e = self.entries.get(slot)
+            if e is not None and rows.numel():
+                k.lora_add(x2, y2, rows, e.a, e.bts, e.out_starts, e.col_starts, e.scaling)
+
+
+def cached_group(holder: object, parts: Sequence[nn.Module], sizes: Sequence[int]) -> LoRAGroup | None:
+    """`holder`'s LoRAGroup of `parts`, rebuilt after any adapter change; None when no part carries an adapter."""
+    cached = holder.__dict__.get("_lora_group")
+    if cached is None or cached[0] != adapter_generation():
+        group = LoRAGroup(parts, sizes) if any(getattr(p, "scalings", None) for p in parts) else None
+        cached = holder.__dict__["_lora_group"] = (adapter_generation(), group)
+    return cached[1]
+
+
+def use_cpu_lora_kernel(model: nn.Module, enabled: bool = True) -> int:
+    """Let `model`'s LoRA layers add their updates through the kernel under `lora_kernel=auto` (or, `enabled=False`,
+    through torch's ops again); callers check the extension built for the model's dtype. Returns how many layers."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "scalings") and hasattr(module, "kernel"):  # NOTE: a layers/lora.py LoRALinear
+            module.cpu_kernel = enabled
+            n += 1
+    adapters_changed()
+    return n
