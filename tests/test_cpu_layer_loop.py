@@ -45,7 +45,7 @@ def _model(kind: str, dtype: torch.dtype, packed: bool, lora: str | None = None)
     if lora:  # wrapped as an engine with adapters has them, before packing (as loading.py does)
         modules = dict(model.named_modules())
         adapters = []
-        # NOTE: two adapters of other ranks and targets: one leaves k, gate and o unadapted, the other v and down
+        # NOTE: two adapters of other ranks and targets: one leaves k and gate unadapted, the other v, o and down
         for name, rank, targets in (("a", 4, ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj",
                                                "mlp.up_proj", "mlp.down_proj")),
                                     ("b", 8, ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj",
@@ -136,6 +136,8 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
     # chunks run on SDPA without the prefill kernel (fp32, or a CPU without AVX512-BF16): those steps stay Python
     assert (spy.taken, spy.left) == ((5, 0) if prefill_kernel else (3, 2))
+    if slots:  # and the adapters did change the adapter rows
+        assert not torch.equal(_steps(model, STEPS[:1], prefill_kernel)[0][0], got[0])
 
 
 def test_a_step_with_adapter_rows_on_torchs_ops_or_autograd_keeps_the_python_loop():

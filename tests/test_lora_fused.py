@@ -11,7 +11,7 @@ from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel
-from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
+from orthrus_rag.layers.lora_fused import _b_operand, use_cpu_lora_kernel
 from orthrus_rag.models.llama import CausalLM
 
 # NOTE: the extension builds on first use (a minute on a fresh machine): not part of the fast subset
@@ -24,24 +24,34 @@ def kernels_built():
         pytest.fail("the CPU extension did not build (a compiler and ninja are installed with the project)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_adds_each_parts_update_to_its_rows_only(dtype):
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("width", [64, 40])  # 40: not the vdpbf16ps path's multiple of 32, nor of 16
+def test_the_kernel_adds_each_parts_update_to_its_rows_only(dtype, pairs, width):
+    """`pairs`: B in bf16 pairs (the AVX512-BF16 products, where this build has them), h rounded to bf16."""
+    if pairs and not kernels().lora_bf16_pairs():
+        pytest.skip("this CPU has no AVX512-BF16: the kernel takes B in fp32 only (the other cases)")
     torch.manual_seed(0)
-    x = torch.randn(10, 64, dtype=dtype)
+    x = torch.randn(10, width, dtype=dtype)
     wide = torch.randn(10, 120, dtype=dtype)
     y = wide[:, 8:104]  # a view with strided rows, as a fused projection's output seen through a slice
-    a = torch.randn(12, 64)  # fp32 factors; two parts: rank 4 (A's rows 0-3), rank 8 (rows 4-11)
-    bt1, bt2 = torch.randn(4, 32), torch.randn(8, 46)
+    # two parts: rank 4 (A's rows 0-3), rank 8 (rows 4-11); A in fp32, and in bf16 too for bf16 rows (as LoRAGroup
+    # passes it); the factors hold values of the rows' dtype
+    a = torch.randn(12, width).to(dtype).float()
+    a16 = a.bfloat16() if dtype == torch.bfloat16 else torch.empty(0, dtype=torch.bfloat16)
+    b1, b2 = torch.randn(32, 4).to(dtype), torch.randn(46, 8).to(dtype)
     rows = torch.tensor([7, 1, 3])
     want = y.double().clone()
     h = x.double()[rows] @ a.double().T * 0.5
-    want[rows, 0:32] += h[:, 0:4] @ bt1.double()
-    want[rows, 50:96] += h[:, 4:12] @ bt2.double()
+    want[rows, 0:32] += h[:, 0:4] @ b1.double().T
+    want[rows, 50:96] += h[:, 4:12] @ b2.double().T
     before = wide.clone()
-    kernels().lora_add(x, y, rows, a, [bt1, bt2], [0, 50], [0, 4], 0.5)
-    # fp32 sums, one rounding to the output's dtype
-    tol = 1e-4 if dtype == torch.float32 else 2 ** -8
-    assert ((y.double() - want).abs() <= tol * want.abs().clamp(min=1)).all()
+    kernels().lora_add(x, y, rows, a, a16, [_b_operand(b1, pairs), _b_operand(b2, pairs)], [0, 50], [0, 4], 0.5)
+    # fp32 sums, one rounding to the output's dtype (and h's rounding to bf16 in pairs)
+    size = want.abs().clone()
+    size[rows, 0:32] += h[:, 0:4].abs() @ b1.double().abs().T
+    size[rows, 50:96] += h[:, 4:12].abs() @ b2.double().abs().T
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert ((y.double() - want).abs() <= tol * size.clamp(min=1)).all()
     others = [i for i in range(10) if i not in (1, 3, 7)]
     assert torch.equal(wide[others], before[others])  # other rows
     assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 104:], before[:, 104:])  # outside y
@@ -51,16 +61,19 @@ def test_the_kernel_adds_each_parts_update_to_its_rows_only(dtype):
 
 def test_the_kernel_names_bad_arguments():
     x, y, a, bt = torch.randn(4, 16), torch.randn(4, 8), torch.randn(2, 16), torch.randn(2, 8)
+    E = torch.empty(0, dtype=torch.bfloat16)  # noqa: N806 (no bf16 copy of A)
     with pytest.raises(RuntimeError, match="row 4 outside"):
-        kernels().lora_add(x, y, torch.tensor([4]), a, [bt], [0], [0], 1.0)
+        kernels().lora_add(x, y, torch.tensor([4]), a, E, [bt], [0], [0], 1.0)
     with pytest.raises(RuntimeError, match="x and y of one dtype"):
-        kernels().lora_add(x, y.bfloat16(), torch.tensor([0]), a, [bt], [0], [0], 1.0)
+        kernels().lora_add(x, y.bfloat16(), torch.tensor([0]), a, E, [bt], [0], [0], 1.0)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        kernels().lora_add(x.bfloat16(), y.bfloat16(), torch.tensor([0]), a.bfloat16(), [bt], [0], [0], 1.0)
+        kernels().lora_add(x.bfloat16(), y.bfloat16(), torch.tensor([0]), a.bfloat16(), E, [bt], [0], [0], 1.0)
     with pytest.raises(RuntimeError, match="part 0 does not fit"):
-        kernels().lora_add(x, y, torch.tensor([0]), a, [bt], [1], [0], 1.0)  # 8 columns from column 1 of 8
+        kernels().lora_add(x, y, torch.tensor([0]), a, E, [bt], [1], [0], 1.0)  # 8 columns from column 1 of 8
     with pytest.raises(RuntimeError, match="A \\[R, in\\]"):
-        kernels().lora_add(x, y, torch.tensor([0]), a[:, :8], [bt], [0], [0], 1.0)
+        kernels().lora_add(x, y, torch.tensor([0]), a[:, :8], E, [bt], [0], [0], 1.0)
+    with pytest.raises(RuntimeError, match="A in bf16 of A's shape"):
+        kernels().lora_add(x, y, torch.tensor([0]), a, a[:1].bfloat16(), [bt], [0], [0], 1.0)
 
 
 def _model(dtype: torch.dtype, rounded_to: torch.dtype | None = None) -> CausalLM:
@@ -136,7 +149,37 @@ def test_an_adapter_attached_later_is_seen():
     before = _projections(model, x, rows)  # no adapter in slot 3 yet: base outputs
     name = "model.layers.0.self_attn.k_proj"
     attach_adapters(model, [LoRAAdapter("c", 2, 1.0, {name: (torch.randn(2, 64), torch.randn(32, 2))})])
-    use_cpu_lora_kernel(model)
     after = _projections(model, x, rows)
     assert not torch.equal(after[1][:2], before[1][:2]) and torch.equal(after[1][2], before[1][2])
     assert torch.equal(after[0], before[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_split_over_threads_give_the_same_bits(dtype):
+    """An embedding chunk's hundreds of adapter rows run in parallel blocks: the same bits as on one thread (a row's
+    sums never depend on the split), near float64 arithmetic."""
+    torch.manual_seed(2)
+    x = torch.randn(301, 576).to(dtype)
+    y0 = torch.randn(301, 960).to(dtype)
+    a = torch.randn(24, 576).to(dtype).float() * 0.05
+    a16 = a.bfloat16() if dtype == torch.bfloat16 else torch.empty(0, dtype=torch.bfloat16)
+    pairs = dtype == torch.bfloat16 and bool(kernels().lora_bf16_pairs())
+    bs = [torch.randn(o, 8).to(dtype) * 0.05 for o in (576, 192, 192)]
+    rows = torch.arange(300, -1, -1)[::2].contiguous()  # every other row, in reverse
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = y0.clone()
+            kernels().lora_add(x, y, rows, a, a16, [_b_operand(b, pairs) for b in bs], [0, 576, 768], [0, 8, 16], 2.0)
+            outs.append(y)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    h = x.double()[rows] @ a.double().T * 2.0
+    want = y0.double().clone()
+    for i, (b, start) in enumerate(zip(bs, (0, 576, 768))):
+        want[rows, start:start + b.shape[0]] += h[:, 8 * i:8 * i + 8] @ b.double().T
+    torch.testing.assert_close(outs[0].double(), want, atol=1e-4 if dtype == torch.float32 else 0.05, rtol=1e-2)
+    assert torch.equal(outs[0][1::2], y0[1::2])

@@ -39,7 +39,7 @@ def _sources() -> list[str]:
 
 
 FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_attention_supported", "add_rms_norm",
-             "rotary", "silu_mul", "sample_probs", "sample_logits", "argmax_rows", "lora_add",
+             "rotary", "silu_mul", "sample_probs", "sample_logits", "argmax_rows", "lora_add", "lora_bf16_pairs",
              "layer_loop", "layer_loop_pointwise"]
 
 

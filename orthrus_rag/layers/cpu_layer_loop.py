@@ -56,7 +56,7 @@ def _encode(groups: list[LoRAGroup | None], dtype: torch.dtype) -> tuple[tuple[l
         ints.append(len(group.entries))
         for slot, e in sorted(group.entries.items()):
             ints += [slot, len(e.bts), *e.out_starts, *e.col_starts]
-            tensors += [e.a, *e.bts]
+            tensors += [e.a, e.a16, *e.bts]
             scales.append(e.scaling)
     return ((tensors, ints, scales) if tensors else _NO_ADAPTERS), ok
 

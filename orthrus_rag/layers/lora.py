@@ -253,9 +253,12 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, 
         check_full_deltas(model, adapter.full_deltas, adapter.name)
 
     next_slot = max(slots.values(), default=0) + 1
+    cpu_kernel = getattr(model, "_cpu_lora_kernel", False)  # lora_fused.use_cpu_lora_kernel ran before
     for slot, adapter in enumerate(adapters, start=next_slot):
         for module_name, (a, b) in adapter.weights.items():
-            wrap_once(model, modules, module_name, LoRALinear).add_adapter(slot, a, b, adapter.scaling)
+            wrapped = wrap_once(model, modules, module_name, LoRALinear)
+            wrapped.cpu_kernel = wrapped.cpu_kernel or cpu_kernel
+            wrapped.add_adapter(slot, a, b, adapter.scaling)
         attach_full_deltas(model, slot, adapter.full_deltas, adapter.name)
         slots[adapter.name] = slot
         logger.info("attached LoRA adapter %r as slot %d (%d modules)", adapter.name, slot, len(adapter.weights))

@@ -44,10 +44,25 @@ class Entry:
     """One adapter on one projection, as the kernel takes it."""
 
     a: torch.Tensor  # [sum r, in]: A of every part this adapter targets, stacked, in fp32
-    bts: list[torch.Tensor]  # per targeted part: B transposed, [r, out_part], in fp32
+    a16: torch.Tensor  # the same in bf16 for a bf16 model (the kernel's AVX512-BF16 products), else empty
+    bts: list[torch.Tensor]  # per targeted part: B as the kernel reads it (`_b_operand`)
     out_starts: list[int]  # the part's first column in the projection's output
     col_starts: list[int]  # its first row of `a`
     scaling: float
+
+
+def _bf16(a: torch.Tensor) -> torch.Tensor:
+    return a.contiguous() if a.dtype == torch.bfloat16 else torch.empty(0, dtype=torch.bfloat16)
+
+
+def _b_operand(b: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """B [out, r] as the kernel reads it: transposed in fp32 [r, out], or in bf16 pairs [r / 2, out, 2] (pairs of
+    consecutive ranks side by side: vdpbf16ps's operand), for even ranks up to the kernel's 128."""
+    bt = b.t()
+    r = bt.shape[0]
+    if pairs and r % 2 == 0 and r <= 128:
+        return bt.reshape(r // 2, 2, bt.shape[1]).transpose(1, 2).contiguous()
+    return bt.float().contiguous()
 
 
 class LoRAGroup:
@@ -55,7 +70,16 @@ class LoRAGroup:
 
     def __init__(self, parts: Sequence[nn.Module], sizes: Sequence[int]) -> None:
         self.dtype: torch.dtype | None = None  # the model's (and the factors') dtype
-        halves: dict[int, list] = {}  # slot -> [As, Bts, out starts, col starts, scaling]
+        self.entries: dict[int, Entry] = {}
+        # NOTE: the kernel replaces the torch path only where every LoRA part asked for it (use_cpu_lora_kernel,
+        # which the engine calls once the extension built): only then are its operands made
+        lora = [p for p in parts if getattr(p, "scalings", None)]
+        self.usable = bool(lora) and all(getattr(p, "cpu_kernel", False) and p.kernel == "auto" for p in lora)
+        if not self.usable:
+            return
+        self.dtype = lora[0].weight.dtype
+        pairs = self.dtype == torch.bfloat16 and bool(kernels().lora_bf16_pairs())
+        halves: dict[int, list] = {}  # slot -> [As, Bs, out starts, col starts, scaling]
         start = 0
         for part, size in zip(parts, sizes):
             for slot, scaling in sorted(getattr(part, "scalings", {}).items()):
@@ -65,36 +89,36 @@ class LoRAGroup:
                 assert e[4] == scaling, "one adapter, one scaling"
                 e[3].append(sum(x.shape[0] for x in e[0]))
                 e[0].append(a)
-                e[1].append(b.t().float().contiguous())
+                e[1].append(_b_operand(b, pairs))
                 e[2].append(start)
-                self.dtype = a.dtype
             start += size
-        # NOTE: fp32 copies (exact for bf16 factors): the kernel's inner loops then convert only the input rows
-        self.entries = {slot: Entry(torch.cat(e[0]).float().contiguous(), e[1], e[2], e[3], e[4])
-                        for slot, e in halves.items()}
-        # NOTE: the kernel replaces the torch path only where every LoRA part asked for it
-        lora = [p for p in parts if getattr(p, "scalings", None)]
-        self.usable = bool(lora) and all(getattr(p, "cpu_kernel", False) and p.kernel == "auto" for p in lora)
+        # NOTE: A in fp32 (exact for bf16 factors) for the fp32 sums' path, and as it is in bf16 for vdpbf16ps
+        self.entries = {slot: Entry(torch.cat(e[0]).float().contiguous(), _bf16(torch.cat(e[0])), e[1], e[2], e[3],
+                                    e[4]) for slot, e in halves.items()}
 
     def applies(self, x: torch.Tensor) -> bool:
         return self.usable and x.device.type == "cpu" and x.dtype == self.dtype and not torch.is_grad_enabled()
 
     def add(self, x2: torch.Tensor, y2: torch.Tensor, lora_rows: list[tuple[int, torch.Tensor]]) -> None:
-        """y2 [T, out] += each adapter's update on its rows of x2 [T, in], in place."""
+        """y2 [T, out] += each adapter's update on its rows of x2 [T, in], in place. As the runner builds them, each
+        slot is listed once and no row twice (the kernel writes rows in parallel; the C++ loop reads a slot once)."""
         k = kernels()
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         for slot, rows in lora_rows:
             e = self.entries.get(slot)
             if e is not None and rows.numel():
-                k.lora_add(x2, y2, rows, e.a, e.bts, e.out_starts, e.col_starts, e.scaling)
+                k.lora_add(x2, y2, rows, e.a, e.a16, e.bts, e.out_starts, e.col_starts, e.scaling)
 
 
 def cached_group(holder: object, parts: Sequence[nn.Module], sizes: Sequence[int]) -> LoRAGroup | None:
-    """`holder`'s LoRAGroup of `parts`, rebuilt after any adapter change; None when no part carries an adapter."""
+    """`holder`'s LoRAGroup of `parts`, rebuilt after any adapter change or a move to another dtype; None when no
+    part carries an adapter."""
+    # NOTE: the key read once, before building: a change landing meanwhile leaves this entry stale, not hidden
+    key = (adapter_generation(), parts[0].weight.dtype)
     cached = holder.__dict__.get("_lora_group")
-    if cached is None or cached[0] != adapter_generation():
+    if cached is None or cached[0] != key:
         group = LoRAGroup(parts, sizes) if any(getattr(p, "scalings", None) for p in parts) else None
-        cached = holder.__dict__["_lora_group"] = (adapter_generation(), group)
+        cached = holder.__dict__["_lora_group"] = (key, group)
     return cached[1]
 
 
@@ -102,6 +126,7 @@ def use_cpu_lora_kernel(model: nn.Module, enabled: bool = True) -> int:
     """Let `model`'s LoRA layers add their updates through the kernel under `lora_kernel=auto` (or, `enabled=False`,
     through torch's ops again); callers check the extension built for the model's dtype. Returns how many layers."""
     n = 0
+    model._cpu_lora_kernel = enabled  # type: ignore[assignment]  # NOTE: attach_adapters' later wrappers inherit it
     for module in model.modules():
         if hasattr(module, "scalings") and hasattr(module, "kernel"):  # NOTE: a layers/lora.py LoRALinear
             module.cpu_kernel = enabled

@@ -37,8 +37,8 @@ constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], le
 
 // The adapters of each projection as cpu_layer_loop.py encodes them, read in order: per layer, per projection
 // (Q/K/V, O, gate/up, down), an entry count, then per entry its slot, its part count and the parts' output and A
-// offsets (ints); its A and each part's B transposed (tensors); its scaling. Each entry whose slot has rows in
-// the step adds its update through the kernel Python's layers call (csrc/lora.py).
+// offsets (ints); its A in fp32 and in bf16 (or empty) and each part's B operand (tensors); its scaling. Each
+// entry whose slot has rows in the step adds its update through the kernel Python's layers call (csrc/lora.py).
 struct Adapters {
   const std::vector<at::Tensor>& w;
   const std::vector<int64_t>& ints;
@@ -52,17 +52,18 @@ struct Adapters {
     const int64_t entries = ints.at(i++);
     for (int64_t e = 0; e < entries; ++e) {
       const int64_t slot = ints.at(i), parts = ints.at(i + 1);
-      TORCH_CHECK(i + 2 + 2 * parts <= ints.size() && t + 1 + parts <= w.size() && s < scales.size(),
+      TORCH_CHECK(i + 2 + 2 * parts <= ints.size() && t + 2 + parts <= w.size() && s < scales.size(),
                   "layer_loop: adapter arguments");
       const int64_t* starts = ints.data() + i + 2;
       const at::Tensor* tensors = w.data() + t;
       const double scale = scales[s];
       i += 2 + 2 * parts;
-      t += 1 + parts;
+      t += 2 + parts;
       ++s;
       for (size_t k = 0; k < slots.size(); ++k) {
         if (slots[k] == slot) {  // NOTE: slots' rows are disjoint: the order they are added in changes nothing
-          lora_detail::apply(x, y, rows[k], tensors[0], tensors + 1, starts, starts + parts, parts, scale);
+          lora_detail::apply(x, y, rows[k], tensors[0], tensors[1], tensors + 2, starts, starts + parts, parts,
+                             scale);
           break;
         }
       }
