@@ -8,6 +8,9 @@ Decode: a 32-sequence step's attention over 30 layers' cold caches, the decode k
 AVX512-BF16 one (layers/attention/cpu_kernels.py).
 Elementwise: residual add + RMSNorm, rotary (q and k) and SiLU-and-mul (layers/cpu_elementwise.py) against the
 eager ops, at 1, 32 and 256 rows (a decode at batch 1 and 32, a prefill chunk).
+LoRA: one rank-8 adapter on all seven projections of one SmolLM2 layer (Q/K/V and gate/up fused), its update on
+1, 32 and 256 rows: torch's per-slot ops (what `lora_kernel=per_slot` keeps) against the C++ kernel
+(layers/lora_fused.py), each as the extra time over the same projections without adapter rows.
 Sampler: a step's draw at temperature 0.7 over SmolLM2's 49,152 logits, every row seeded (as the benchmarks'
 requests are), at 1, 32 and 64 rows: `torch.multinomial` per row (what the sampler did before session 11), the
 Sampler on torch's ops (fp64 cumsum), and on the C++ kernel (layers/csrc/sampling.py). Prints one JSON line per row.
@@ -123,6 +126,51 @@ def elementwise(dtype: torch.dtype) -> None:
                               "speedup": round(e / f, 2)}))
 
 
+def lora(dtype: torch.dtype, rank: int = 8) -> None:
+    from transformers import LlamaConfig
+
+    from orthrus_rag.layers.context import ForwardContext, forward_context
+    from orthrus_rag.layers.linear import onednn_available, pack_linears
+    from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel
+    from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
+    from orthrus_rag.models.llama import CausalLM
+
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=H,
+                         num_key_value_heads=KVH, vocab_size=64)
+    model = CausalLM(config).eval().to(dtype)
+    model.fuse_projections()
+    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    names = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    modules = dict(model.named_modules())
+    g = torch.Generator().manual_seed(0)
+    attach_adapters(model, [LoRAAdapter("a", rank, 2.0, {n: (0.05 * torch.randn(rank, modules[n].in_features,
+                                                                                generator=g),
+                                                             0.05 * torch.randn(modules[n].out_features, rank,
+                                                                                generator=g)) for n in names})])
+    if onednn_available(dtype, "cpu"):
+        pack_linears(model)  # as the engine loads it (the base GEMMs' own time is then the engine's)
+
+    def projections(x: torch.Tensor, act: torch.Tensor) -> None:
+        att.fusions["qkv"](att, x), att.o_proj(x), mlp.fusions["gate_up"](mlp, x), mlp.down_proj(act)
+
+    for rows in (1, 32, 256):
+        x, act = torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, INTER).to(dtype)
+        every = [(1, torch.arange(rows))]
+        times = {}
+        with torch.inference_mode():
+            for name, lora_rows, kernel in (("base", [], False), ("torch", every, False), ("kernel", every, True)):
+                set_lora_kernel(model, "per_slot" if name == "torch" else "auto")
+                use_cpu_lora_kernel(model, enabled=kernel)
+                with forward_context(ForwardContext(lora_rows=lora_rows)):
+                    # NOTE: the best of five means: the extra time is a difference of two timings
+                    times[name] = min(_us(lambda: projections(x, act), 40) for _ in range(5))
+        torch_us, kernel_us = times["torch"] - times["base"], times["kernel"] - times["base"]
+        print(json.dumps({"op": "lora", "rows": rows, "rank": rank, "projections_us": round(times["base"], 1),
+                          "torch_extra_us": round(torch_us, 1), "kernel_extra_us": round(kernel_us, 1),
+                          "speedup": round(torch_us / max(kernel_us, 1e-3), 1)}))
+
+
 def sampler(vocab: int = 49152, temperature: float = 0.7) -> None:
     for rows in (1, 32, 64):
         logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
@@ -154,6 +202,7 @@ def main() -> None:
     attention(dtype)
     decode(dtype)
     elementwise(dtype)
+    lora(dtype)
     sampler()
 
 
