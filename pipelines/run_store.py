@@ -98,9 +98,10 @@ class RunStore:
         self._records = self._steps = None
 
     # ---- reading back -------------------------------------------------------------------------------------
-    def read_records(self) -> Iterator[QARecord]:
-        """Every whole record in records.jsonl; a last line cut short by a kill is dropped from the file."""
-        for row in self._read_rows(RECORDS, repair=True):
+    def read_records(self, repair: bool = True) -> Iterator[QARecord]:
+        """Every whole record in records.jsonl; a last line cut short by a kill is dropped from the file (`repair`;
+        else only skipped: a reader that must not write, e.g. `orthrus-rag compare`)."""
+        for row in self._read_rows(RECORDS, repair=repair):
             self.num_records += 1
             yield QARecord.from_json(row)
 

@@ -5,6 +5,8 @@
                                        that failed retryably (a dead replica, a timeout) asked again
     orthrus-rag run -m scheduler=orthrus,hetero_fcfs ...   a sweep: one run folder per job under run_dir
     orthrus-rag summarize PATH...      table run folders (a sweep's jobs) side by side
+    orthrus-rag compare BASE OTHER     two runs of one dataset, paired per question: each metric's difference
+                                       with a bootstrap interval, questions gained and lost
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
     orthrus-rag serve [overrides...]   the OpenAI-compatible server (e.g. serve.port=8000 serve.api_key=...)
     orthrus-rag demo                   generate and embed together on the built-in models, show the mixed steps
@@ -250,6 +252,18 @@ def summarize(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def compare(args: argparse.Namespace) -> int:
+    from orthrus_rag.pipelines.compare import compare_runs, comparison_table
+
+    try:
+        result = compare_runs(args.base, args.other, resamples=args.resamples, seed=args.seed, level=args.level)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(comparison_table(result))
+    return EXIT_OK
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -274,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("index", help="build a dataset's retrieval index (Hydra overrides follow)")
     p = sub.add_parser("summarize", help="table run folders (e.g. a sweep's jobs) side by side")
     p.add_argument("paths", nargs="+", help="run folders, or folders holding them (a sweep's run_dir)")
+    p = sub.add_parser("compare", help="two runs of one dataset, paired per question (bootstrap intervals)")
+    p.add_argument("base", help="run folder: the reference")
+    p.add_argument("other", help="run folder: the run compared with it")
+    p.add_argument("--resamples", type=int, default=10_000, help="bootstrap draws (default 10000)")
+    p.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0: a table is reproducible)")
+    p.add_argument("--level", type=float, default=0.95, help="the intervals' coverage (default 0.95)")
     sub.add_parser("serve", help="the OpenAI-compatible server (Hydra overrides follow)")
     p = sub.add_parser("demo", help="generate and embed together on the built-in models")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -283,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return {"demo": demo, "summarize": summarize}[args.command](args)
+    return {"demo": demo, "summarize": summarize, "compare": compare}[args.command](args)
 
 
 if __name__ == "__main__":
