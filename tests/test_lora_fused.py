@@ -59,6 +59,31 @@ def test_the_kernel_adds_each_parts_update_to_its_rows_only(dtype, pairs, width)
     assert not torch.equal(y[rows, :32], before[rows, 8:40])
 
 
+@pytest.mark.parametrize("rank", [3, 130])
+def test_odd_and_wide_ranks_keep_b_in_fp32_beside_a_pairs_part_with_a_long_tail(rank):
+    """bf16 rows: a part of rank 3 (odd) or 130 (past the pairs path's 128) takes B in fp32, beside a rank-8 part in
+    bf16 pairs whose 50 columns end in an 18-column tail (the second masked load)."""
+    pairs = bool(kernels().lora_bf16_pairs())
+    torch.manual_seed(3)
+    x, y = torch.randn(6, 64, dtype=torch.bfloat16), torch.randn(6, 100, dtype=torch.bfloat16)
+    a = torch.randn(rank + 8, 64).bfloat16().float()
+    b1, b2 = torch.randn(50, rank).bfloat16(), torch.randn(50, 8).bfloat16()
+    ops = [_b_operand(b1, pairs), _b_operand(b2, pairs)]
+    assert ops[0].dim() == 2 and ops[0].dtype == torch.float32 and ops[1].dim() == (3 if pairs else 2)
+    rows = torch.tensor([5, 0, 2])
+    want = y.double().clone()
+    h = x.double()[rows] @ a.double().T * 0.25
+    want[rows, :50] += h[:, :rank] @ b1.double().T
+    want[rows, 50:] += h[:, rank:] @ b2.double().T
+    size = want.abs().clone()
+    size[rows, :50] += h[:, :rank].abs() @ b1.double().abs().T
+    size[rows, 50:] += h[:, rank:].abs() @ b2.double().abs().T
+    got = y.clone()
+    kernels().lora_add(x, got, rows, a, a.bfloat16(), ops, [0, 50], [0, rank], 0.25)
+    assert ((got.double() - want).abs() <= 2 ** -8 * size.clamp(min=1)).all()
+    assert torch.equal(got[[1, 3, 4]], y[[1, 3, 4]])
+
+
 def test_the_kernel_names_bad_arguments():
     x, y, a, bt = torch.randn(4, 16), torch.randn(4, 8), torch.randn(2, 16), torch.randn(2, 8)
     E = torch.empty(0, dtype=torch.bfloat16)  # noqa: N806 (no bf16 copy of A)
@@ -149,6 +174,11 @@ def test_an_adapter_attached_later_is_seen():
     before = _projections(model, x, rows)  # no adapter in slot 3 yet: base outputs
     name = "model.layers.0.self_attn.k_proj"
     attach_adapters(model, [LoRAAdapter("c", 2, 1.0, {name: (torch.randn(2, 64), torch.randn(32, 2))})])
+    lm = "lm_head"  # a projection no adapter wrapped before: its new wrapper takes the model's settings
+    set_lora_kernel(model, "per_slot")
+    attach_adapters(model, [LoRAAdapter("d", 2, 1.0, {lm: (torch.randn(2, 64), torch.randn(64, 2))})])
+    assert model.lm_head.kernel == "per_slot" and model.lm_head.cpu_kernel
+    set_lora_kernel(model, "auto")
     after = _projections(model, x, rows)
     assert not torch.equal(after[1][:2], before[1][:2]) and torch.equal(after[1][2], before[1][2])
     assert torch.equal(after[0], before[0])

@@ -223,6 +223,7 @@ def set_lora_kernel(model: nn.Module, kernel: str) -> None:
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.kernel = kernel
+    model._lora_kernel = kernel  # type: ignore[assignment]  # NOTE: attach_adapters' later wrappers inherit it
     adapters_changed()
 
 
@@ -253,11 +254,14 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, 
         check_full_deltas(model, adapter.full_deltas, adapter.name)
 
     next_slot = max(slots.values(), default=0) + 1
-    cpu_kernel = getattr(model, "_cpu_lora_kernel", False)  # lora_fused.use_cpu_lora_kernel ran before
+    # NOTE: wrappers made now take the settings that set_lora_kernel / use_cpu_lora_kernel gave the model's others
+    cpu_kernel, kernel = getattr(model, "_cpu_lora_kernel", False), getattr(model, "_lora_kernel", "auto")
     for slot, adapter in enumerate(adapters, start=next_slot):
         for module_name, (a, b) in adapter.weights.items():
+            fresh = not isinstance(modules.get(module_name), LoRALinear)
             wrapped = wrap_once(model, modules, module_name, LoRALinear)
-            wrapped.cpu_kernel = wrapped.cpu_kernel or cpu_kernel
+            if fresh:
+                wrapped.cpu_kernel, wrapped.kernel = cpu_kernel, kernel
             wrapped.add_adapter(slot, a, b, adapter.scaling)
         attach_full_deltas(model, slot, adapter.full_deltas, adapter.name)
         slots[adapter.name] = slot

@@ -10,8 +10,8 @@ the fused output. One call per projection and adapter, from Python or from the C
 (layers/cpu_layer_loop.py), which calls it with the same arguments, so the two loops give the same bits.
 
 Numerics: `h = scale * x A^T` and `h B^T` summed in fp32 and added to the output with one rounding, where the torch
-path rounds h, the update and the sum to the model's dtype (in bf16 this path is the closer one to PEFT's merged
-fp32 weights).
+path rounds h, the update and the sum to the model's dtype; on the AVX512-BF16 path (bf16 models) h is rounded to
+bf16 too, for vdpbf16ps. Either way this is the closer of the two to float64 arithmetic (tests/test_lora_fused.py).
 
 Where: models the engine loads on the CPU with the fused kernels (`cpu_fused_kernels`, `use_cpu_lora_kernel`),
 outside autograd, under `lora_kernel=auto` (the default); `per_slot` / `stacked` keep torch's ops, as does a CUDA
