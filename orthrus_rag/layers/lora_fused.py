@@ -113,7 +113,7 @@ class LoRAGroup:
 def cached_group(holder: object, parts: Sequence[nn.Module], sizes: Sequence[int]) -> LoRAGroup | None:
     """`holder`'s LoRAGroup of `parts`, rebuilt after any adapter change or a move to another dtype; None when no
     part carries an adapter."""
-    # NOTE: the key read once, before building: a change landing meanwhile leaves this entry stale, not hidden
+    # NOTE: the key read once, before building: a change landing meanwhile makes the next call rebuild
     key = (adapter_generation(), parts[0].weight.dtype)
     cached = holder.__dict__.get("_lora_group")
     if cached is None or cached[0] != key:
