@@ -51,8 +51,9 @@ def test_few_steps_lower_the_loss_and_the_engine_loads_the_adapter(tiny: Path, t
     card = json.loads((out / "orthrus_embedding.json").read_text())
     assert card["pooling"] == "mean" and card["query_instruction"] == script.QUERY_PREFIX
 
+    # NOTE: fp32, as the fp32 reference below (dtype "auto" is bf16 on a CPU with bf16 dot products: ~1e-5 off)
     engine = Engine.from_pretrained(str(tiny), embedding_adapters=str(out), num_blocks=64,
-                                    max_num_batched_tokens=32, max_chunk_tokens=8)
+                                    max_num_batched_tokens=32, max_chunk_tokens=8, dtype="float32")
     text = "Who is the father of the director of film The Secret Orchard?"
     params = PoolingParams(pooling="mean", instruction=card["query_instruction"])
     (adapted,) = engine.embed([text], params)
