@@ -75,6 +75,10 @@ def compare_runs(base: str | Path, other: str | Path, resamples: int = 10_000, s
     ids = sorted(a.keys() & b.keys(), key=lambda i: (a[i].index, i))
     if not ids:
         raise ValueError(f"{base} and {other} share no answered question (are they runs of the same dataset?)")
+    differ = [i for i in ids if a[i].question != b[i].question]
+    if differ:  # NOTE: ids like "dev_4" repeat across datasets: a pairing by id alone could pair other questions
+        raise ValueError(f"{base} and {other} ask different questions under the same id ({len(differ)} of "
+                         f"{len(ids)}, e.g. {differ[0]!r}): not runs of the same dataset")
     recalls = sorted({k for i in ids for k in (*a[i].recall, *b[i].recall) if k.startswith("recall@")},
                      key=lambda k: int(k.split("@")[1]))
     rng = np.random.default_rng(seed)

@@ -65,6 +65,11 @@ def test_bad_input_is_named(tmp_path, capsys):
     b = _run(tmp_path / "b", [1], [1.0], errors={0})
     with pytest.raises(ValueError, match="share no answered question"):
         compare_runs(a, b)
+    c = _run(tmp_path / "c", [1], [1.0])
+    rows = (c / "records.jsonl").read_text().replace('"question": "?"', '"question": "another?"')
+    (c / "records.jsonl").write_text(rows)
+    with pytest.raises(ValueError, match="different questions under the same id \\(1 of 1, e.g. 'q0'\\)"):
+        compare_runs(a, c)
     with pytest.raises(ValueError, match="resamples must be at least 1"):
         compare_runs(a, a, resamples=0)
     assert main(["compare", str(a), str(tmp_path / "missing")]) == 2
