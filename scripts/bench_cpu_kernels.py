@@ -131,8 +131,7 @@ def lora(dtype: torch.dtype, rank: int = 8) -> None:
 
     from orthrus_rag.layers.context import ForwardContext, forward_context
     from orthrus_rag.layers.linear import onednn_available, pack_linears
-    from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel
-    from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
+    from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel, use_cpu_lora_kernel
     from orthrus_rag.models.llama import CausalLM
 
     config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=H,

@@ -11,8 +11,7 @@ from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.attention import build_metadata, cpu_prefill, grouped
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.linear import pack_linears, pack_module
-from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel
-from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
+from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel, use_cpu_lora_kernel
 from orthrus_rag.models.llama import CausalLM
 
 # NOTE: the extension builds on first use (a minute on a fresh machine): not part of the fast subset

@@ -14,8 +14,7 @@ from peft import LoraConfig, get_peft_model
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams
 from orthrus_rag.config import ModelConfig
-from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
-from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
+from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
 from scripts.make_lora_adapter import make_adapter
 from tests.conftest import SMOL, engine_overrides
 from tests.test_model_parity import (ATOL, NEAR_TIE, SEQ_LEN, _assert_all_blocks_free, _build, _engine,

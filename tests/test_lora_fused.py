@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.cpu_extension import kernels
-from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel
-from orthrus_rag.layers.lora_fused import _b_operand, use_cpu_lora_kernel
+from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel, use_cpu_lora_kernel
+from orthrus_rag.layers.lora_fused import _b_operand
 from orthrus_rag.models.llama import CausalLM
 
 # NOTE: the extension builds on first use (a minute on a fresh machine): not part of the fast subset

@@ -24,7 +24,7 @@ from torch import nn
 from orthrus_rag.layers import linear
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
-from orthrus_rag.layers.lora_fused import LoRAGroup, adapter_generation, cached_group
+from orthrus_rag.layers.lora_fused import LoRAGroup, adapter_generation
 
 _NO_BIAS = torch.empty(0)  # csrc/layer_loop.py reads a zero-element bias as "none"
 _NO_ADAPTERS: tuple[list, list, list] = ([], [], [])
@@ -35,10 +35,8 @@ def _groups(layer: nn.Module) -> list[LoRAGroup | None]:
     att, mlp = layer.self_attn, layer.mlp
     out: list[LoRAGroup | None] = []
     for owner, fused, single in ((att, "qkv", att.o_proj), (mlp, "gate_up", mlp.down_proj)):
-        fusion = owner.fusions[fused]
-        out.append(cached_group(fusion, [owner._modules[n] for n in fusion.names], fusion.sizes))
-        out.append(cached_group(single, [single], [single.out_features]) if getattr(single, "scalings", None)
-                   else None)
+        out.append(owner.fusions[fused].lora_group(owner))
+        out.append(single.lora_group() if hasattr(single, "lora_group") else None)  # NOTE: a LoRALinear
     return out
 
 

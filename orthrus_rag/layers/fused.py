@@ -17,7 +17,7 @@ from torch import nn
 
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.linear import linear
-from orthrus_rag.layers.lora_fused import cached_group
+from orthrus_rag.layers.lora_fused import LoRAGroup, cached_group
 
 
 class Fusion:
@@ -48,13 +48,18 @@ class Fusion:
             part._fused = True  # type: ignore[assignment]  # pack_linears packs the carrier instead
             start += size
 
+    def lora_group(self, owner: nn.Module) -> LoRAGroup | None:
+        """The parts' adapters as the CPU kernel takes them, one call for them all (lora_fused.py; the C++ layer
+        loop reads it too)."""
+        # NOTE: the children straight from _modules: nn.Module.__getattr__'s fallback costs ~1 us a name per layer
+        return cached_group(self, [owner._modules[name] for name in self.names], self.sizes)
+
     def __call__(self, owner: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
         """The parts' outputs (views of one [T, Σ out] result), LoRA updates added per part."""
         y = linear(self.carrier, x)
         lora_rows = get_forward_context().lora_rows
         if lora_rows:
-            # NOTE: the child straight from _modules: nn.Module.__getattr__'s fallback costs ~1 us a name per layer
-            group = cached_group(self, [owner._modules[name] for name in self.names], self.sizes)
+            group = self.lora_group(owner)
             if group is not None and group.applies(x):  # the C++ kernel: every part's update in one call
                 group.add(x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), lora_rows)
                 lora_rows = []

@@ -33,7 +33,7 @@ from orthrus_rag.config import LORA_KERNELS
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.wrapping import wrap_once
 from orthrus_rag.layers.linear import linear
-from orthrus_rag.layers.lora_fused import adapters_changed, cached_group
+from orthrus_rag.layers.lora_fused import LoRAGroup, adapters_changed, cached_group
 from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas, load_full_deltas
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class LoRALinear(nn.Linear):
             self._fused = True
         self.scalings: dict[int, float] = {}
         self.kernel = "auto"  # set_lora_kernel
-        self.cpu_kernel = False  # lora_fused.use_cpu_lora_kernel: `auto` on the CPU takes the C++ kernel
+        self.cpu_kernel = False  # use_cpu_lora_kernel: `auto` on the CPU takes the C++ kernel
         self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple] | None = None
 
     def add_adapter(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
@@ -169,6 +169,10 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_lora(x, linear(self, x))
 
+    def lora_group(self) -> LoRAGroup | None:
+        """This layer's adapters as the CPU kernel takes them (lora_fused.py; the C++ layer loop reads it too)."""
+        return cached_group(self, [self], [self.out_features])
+
     def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (this layer's base output on `x`, possibly a slice of a fused projection's) plus each adapter's
         update on the rows the forward context assigns it."""
@@ -177,7 +181,7 @@ class LoRALinear(nn.Linear):
             return y
         # rows index the flattened leading dims, so [B, S, in] and the engine's [T, in] are treated alike
         x2, y2 = x.reshape(-1, self.in_features), y.reshape(-1, self.out_features)
-        group = cached_group(self, [self], [self.out_features])
+        group = self.lora_group()
         if group is not None and group.applies(x2):
             group.add(x2, y2, lora_rows)
             return y2.view(y.shape)
@@ -216,15 +220,29 @@ def flat_lora_rows(lora_rows: list[tuple[int, torch.Tensor]]) -> tuple[torch.Ten
     return rows, slots
 
 
+def _set_on_lora_layers(model: nn.Module, name: str, value: object) -> int:
+    """Set `name` on every LoRA layer of `model`, and on the model for the wrappers attach_adapters makes later;
+    cached kernel operands are rebuilt. Returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for module in layers:
+        setattr(module, name, value)
+    setattr(model, f"_lora_{name}", value)
+    adapters_changed()
+    return len(layers)
+
+
 def set_lora_kernel(model: nn.Module, kernel: str) -> None:
     """Choose how every LoRA layer of `model` adds several adapters' updates (see the module's docstring)."""
     if kernel not in LORA_KERNELS:
         raise ValueError(f"unknown lora_kernel {kernel!r}; expected {', '.join(LORA_KERNELS)}")
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            module.kernel = kernel
-    model._lora_kernel = kernel  # type: ignore[assignment]  # NOTE: attach_adapters' later wrappers inherit it
-    adapters_changed()
+    _set_on_lora_layers(model, "kernel", kernel)
+
+
+def use_cpu_lora_kernel(model: nn.Module, enabled: bool = True) -> int:
+    """Let `model`'s LoRA layers add their updates through the C++ kernel under `lora_kernel=auto`
+    (layers/lora_fused.py), or (`enabled=False`) through torch's ops again; callers check the extension built for
+    the model's dtype. Returns how many layers."""
+    return _set_on_lora_layers(model, "cpu_kernel", enabled)
 
 
 def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, int]:
@@ -255,7 +273,7 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, 
 
     next_slot = max(slots.values(), default=0) + 1
     # NOTE: wrappers made now take the settings that set_lora_kernel / use_cpu_lora_kernel gave the model's others
-    cpu_kernel, kernel = getattr(model, "_cpu_lora_kernel", False), getattr(model, "_lora_kernel", "auto")
+    cpu_kernel, kernel = getattr(model, "_lora_cpu_kernel", False), getattr(model, "_lora_kernel", "auto")
     for slot, adapter in enumerate(adapters, start=next_slot):
         for module_name, (a, b) in adapter.weights.items():
             fresh = not isinstance(modules.get(module_name), LoRALinear)

@@ -13,9 +13,9 @@ Numerics: `h = scale * x A^T` and `h B^T` summed in fp32 and added to the output
 path rounds h, the update and the sum to the model's dtype; on the AVX512-BF16 path (bf16 models) h is rounded to
 bf16 too, for vdpbf16ps. Either way this is the closer of the two to float64 arithmetic (tests/test_lora_fused.py).
 
-Where: models the engine loads on the CPU with the fused kernels (`cpu_fused_kernels`, `use_cpu_lora_kernel`),
-outside autograd, under `lora_kernel=auto` (the default); `per_slot` / `stacked` keep torch's ops, as does a CUDA
-device.
+Where: models the engine loads on the CPU with the fused kernels (`cpu_fused_kernels`; lora.py's
+`use_cpu_lora_kernel`), outside autograd, under `lora_kernel=auto` (the default); `per_slot` / `stacked` keep
+torch's ops, as does a CUDA device.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class LoRAGroup:
     def __init__(self, parts: Sequence[nn.Module], sizes: Sequence[int]) -> None:
         self.dtype: torch.dtype | None = None  # the model's (and the factors') dtype
         self.entries: dict[int, Entry] = {}
-        # NOTE: the kernel replaces the torch path only where every LoRA part asked for it (use_cpu_lora_kernel,
+        # NOTE: the kernel replaces the torch path only where every LoRA part asked for it (lora.use_cpu_lora_kernel,
         # which the engine calls once the extension built): only then are its operands made
         lora = [p for p in parts if getattr(p, "scalings", None)]
         self.usable = bool(lora) and all(getattr(p, "cpu_kernel", False) and p.kernel == "auto" for p in lora)
@@ -120,16 +120,3 @@ def cached_group(holder: object, parts: Sequence[nn.Module], sizes: Sequence[int
         group = LoRAGroup(parts, sizes) if any(getattr(p, "scalings", None) for p in parts) else None
         cached = holder.__dict__["_lora_group"] = (key, group)
     return cached[1]
-
-
-def use_cpu_lora_kernel(model: nn.Module, enabled: bool = True) -> int:
-    """Let `model`'s LoRA layers add their updates through the kernel under `lora_kernel=auto` (or, `enabled=False`,
-    through torch's ops again); callers check the extension built for the model's dtype. Returns how many layers."""
-    n = 0
-    model._cpu_lora_kernel = enabled  # type: ignore[assignment]  # NOTE: attach_adapters' later wrappers inherit it
-    for module in model.modules():
-        if hasattr(module, "scalings") and hasattr(module, "kernel"):  # NOTE: a layers/lora.py LoRALinear
-            module.cpu_kernel = enabled
-            n += 1
-    adapters_changed()
-    return n

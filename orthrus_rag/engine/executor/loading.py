@@ -15,8 +15,7 @@ from orthrus_rag.config import EngineConfig
 from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
-from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel
-from orthrus_rag.layers.lora_fused import use_cpu_lora_kernel
+from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
 from orthrus_rag.machine import machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder

@@ -35,17 +35,13 @@ inline V16 load16(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline float sum16(V16 v) {
+inline float lane_sum(V16 v) {
   float s = 0.f;
   for (int64_t i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
 
 #if defined(__AVX512BF16__)
-inline __mmask16 first16(int64_t m) {
-  return m >= 16 ? 0xffff : static_cast<__mmask16>((1u << std::max<int64_t>(m, 0)) - 1);
-}
-
 // expand's bf16-pairs form: y[row] += h[row][part] B^T with h rounded to bf16 (as torch's bf16 product holds it)
 // and 32 products an instruction, the sums in fp32, each output rounded once.
 inline void expand_pairs(uint16_t* y, int64_t ys, const int64_t* rows, int64_t first, int64_t m, int64_t R,
@@ -59,7 +55,8 @@ inline void expand_pairs(uint16_t* y, int64_t ys, const int64_t* rows, int64_t f
                  (static_cast<uint32_t>(elementwise::BF16::store(h[r * R + p.col_start + 2 * c + 1])) << 16);
   for (int64_t j0 = 0; j0 < p.out; j0 += kCols) {
     const int64_t w = std::min(kCols, p.out - j0);
-    const __mmask16 m0 = first16(w), m1 = first16(w - 16);
+    // NOTE: decode_fast::first (csrc/decode_attention.py, earlier in the unit): the first m of 16 lanes
+    const __mmask16 m0 = decode_fast::first(w), m1 = decode_fast::first(std::max<int64_t>(w - 16, 0));
     __m512 lo[kRows], hi[kRows];
     for (int64_t r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < half; ++c) {
@@ -197,7 +194,7 @@ __attribute__((noinline)) void add_rows(const T* x, int64_t xs, T* y, int64_t ys
           for (int64_t r = 0; r < kRows; ++r) s[r] += load16(xr[r] + k) * av;
         }
         for (int64_t r = 0; r < kRows; ++r) {
-          float t = sum16(s[r]);
+          float t = lane_sum(s[r]);
           for (int64_t k = body; k < in; ++k) t += xr[r][k] * ac[k];
           h[r * R + c] = t * scale;
         }
