@@ -15,7 +15,7 @@ import torch
 from orthrus_rag import PoolingParams
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
 from orthrus_rag.layers.row_deltas import FULL_DELTAS_FILE
-from orthrus_rag.models.adapter_extraction import extract, read_checkpoint, write_adapter
+from orthrus_rag.models.adapter_extraction import ExtractionReport, extract, read_checkpoint, write_adapter
 from orthrus_rag.models.loader import load_decoder
 from tests.test_model_parity import ATOL, SEQ_LEN, _build, _engine, _engine_logits, _hf_logits, _ids
 
@@ -139,3 +139,20 @@ def test_refuses_mismatched_models(pair: dict) -> None:
     with pytest.raises(ValueError, match="nothing to extract"):
         lora, full, report = extract(pair["base_sd"], pair["base_sd"], RANK)
         write_adapter(pair["tmp"] / "none", lora, full, RANK, "base", report)
+
+
+def test_rewriting_a_folder_leaves_none_of_the_previous_adapter(tmp_path: Path) -> None:
+    """An adapter without full deltas, extracted into the folder of one with them, loads without them (the old
+    norm deltas would otherwise be applied on top of the new factors); PEFT's older weight file goes too."""
+    gen = torch.Generator().manual_seed(0)
+    lora = {"model.layers.0.self_attn.q_proj": (torch.randn(RANK, 8, generator=gen),
+                                                torch.randn(8, RANK, generator=gen))}
+    write_adapter(tmp_path, lora, {"model.norm": torch.randn(8, generator=gen)}, RANK, "base", ExtractionReport(RANK))
+    assert set(load_peft_adapter(tmp_path).full_deltas) == {"model.norm"}  # kept when the new adapter has them
+    (tmp_path / "adapter_model.bin").write_bytes(b"a previous PEFT save")
+    (tmp_path / "README.md").write_text("the user's own notes")
+
+    write_adapter(tmp_path, lora, {}, RANK, "base", ExtractionReport(RANK))
+    assert load_peft_adapter(tmp_path).full_deltas == {}
+    assert not (tmp_path / FULL_DELTAS_FILE).exists() and not (tmp_path / "adapter_model.bin").exists()
+    assert (tmp_path / "README.md").is_file()  # only adapter files are removed

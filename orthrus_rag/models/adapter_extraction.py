@@ -137,7 +137,8 @@ def extract(base: dict[str, torch.Tensor], tuned: dict[str, torch.Tensor], rank:
 
 def write_adapter(out: Path, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], full: dict[str, torch.Tensor],
                   rank: int, base_name: str, report: ExtractionReport) -> None:
-    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), the full deltas and the report."""
+    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), the full deltas and the report.
+    Into a folder that held an adapter, the files of it that this one does not replace are removed."""
     if not lora:
         raise ValueError("no Linear weight differs between the two models: nothing to extract")
     out.mkdir(parents=True, exist_ok=True)
@@ -153,5 +154,18 @@ def write_adapter(out: Path, lora: dict[str, tuple[torch.Tensor, torch.Tensor]],
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     if full:
         save_file({f"{m}.weight": d for m, d in full.items()}, str(out / FULL_DELTAS_FILE))
+    _remove_stale(out, keep={FULL_DELTAS_FILE} if full else set())
     (out / "extraction_report.json").write_text(json.dumps(report.to_json(), indent=2))
     logger.info("wrote rank-%d adapter to %s: %d LoRA modules, %d full deltas", rank, out, len(lora), len(full))
+
+
+# files an adapter loader reads that a write may leave out: the previous adapter's would load with the new one
+# (its full deltas onto the new factors; PEFT's older weight file, where a tool reads it before the safetensors)
+_OPTIONAL_FILES = (FULL_DELTAS_FILE, "adapter_model.bin")
+
+
+def _remove_stale(out: Path, keep: set[str]) -> None:
+    for name in _OPTIONAL_FILES:
+        if name not in keep and (out / name).is_file():
+            logger.info("removing %s: left by the adapter previously written to %s", name, out)
+            (out / name).unlink()
