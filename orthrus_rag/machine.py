@@ -1,6 +1,12 @@
 """What this machine is, for per-machine caches: a kernel built with `-march=native`, a GEMM kernel chosen by
 timing. Either must be redone on another CPU, and must not change between runs on the same one (a run resumed
-in a new process must compute exactly what it computed before)."""
+in a new process must compute exactly what it computed before).
+
+`ORTHRUS_CPU_ISA=avx2` makes this machine read as an AVX2-only x86-64 CPU (x86-64-v3: AVX2 and FMA, no AVX-512,
+no AMX): its flags lose every AVX-512 and AMX one, so `dtype="auto"` is fp32; oneDNN's packed bf16 path counts as
+unsupported (what torch reports on such a CPU), so bf16 linears stay dense; and the C++ kernels build with
+`-march=x86-64-v3` under their own name, so their AVX2 / generic paths run. `make test` runs the kernel tests a
+second time under it, so those paths are tested on every machine, not only on AVX2 ones."""
 
 from __future__ import annotations
 
@@ -16,6 +22,25 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+ISA_ENV = "ORTHRUS_CPU_ISA"
+# the -march each ISA builds the C++ kernels for ("native": whatever this CPU has)
+ISA_MARCH = {"native": "native", "avx2": "x86-64-v3"}
+# flags an AVX2-only CPU does not report: every AVX-512 and AMX extension, and the AVX ones newer than x86-64-v3
+_ABOVE_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
+
+
+def isa() -> str:
+    """The instruction set the engine targets: "native" unless ORTHRUS_CPU_ISA names another (see the module)."""
+    value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if value not in ISA_MARCH:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_MARCH)}")
+    return value
+
+
+def march() -> str:
+    """The compiler's -march for the C++ kernels."""
+    return ISA_MARCH[isa()]
+
 
 def cpu_model() -> str:
     try:
@@ -28,8 +53,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+def _proc_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
@@ -38,15 +62,40 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split()) if line else set()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read), less those above the ISA the engine
+    targets (`isa()`)."""
+    flags = _proc_flags()
+    if isa() == "avx2":
+        flags = {f for f in flags if not f.startswith(_ABOVE_AVX2)}
+    return flags
+
+
 def has_native_bf16() -> bool:
     """bf16 dot products in hardware (AVX512-BF16 or AMX): where bf16 GEMMs run 3-4x fp32's (measured on an EPYC
     core, SmolLM2's shapes at 8-256 rows), so "auto" picks bf16 there."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+# what torch's oneDNN bf16 path needs (aten's mkldnn_bf16_device_check): without it the weight reorder raises
+ONEDNN_BF16_FLAGS = "avx512bw, avx512vl and avx512dq, or avx_ne_convert"
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether torch's oneDNN runs bf16 here (packed bf16 linears): False on AVX2-only CPUs, where torch's
+    `mkldnn_reorder_linear_weight` raises, and under ORTHRUS_CPU_ISA=avx2."""
+    if isa() == "avx2" or not torch.backends.mkldnn.is_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is None:  # NOTE: a torch without the query: the flags it checks
+        flags = cpu_flags()
+        return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    return bool(check())
+
+
 def machine_key(*parts: object) -> str:
-    """A short digest of the CPU model, the torch version and `parts`."""
-    return hashlib.sha256(repr((cpu_model(), torch.__version__, *parts)).encode()).hexdigest()[:16]
+    """A short digest of the CPU model, the targeted ISA, the torch version and `parts`."""
+    return hashlib.sha256(repr((cpu_model(), isa(), torch.__version__, *parts)).encode()).hexdigest()[:16]
 
 
 def remembered(path: Path, key: str, compute: Callable[[], str]) -> str:

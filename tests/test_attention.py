@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from orthrus_rag.layers.attention import build_metadata, grouped, key_slots, reference, select_backend, varlen
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 
+pytestmark = pytest.mark.isa  # make test runs this file again under ORTHRUS_CPU_ISA=avx2
+
 BLOCK = 4
 NUM_BLOCKS = 96
 SCRATCH = 256

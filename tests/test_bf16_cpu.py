@@ -12,10 +12,12 @@ from torch import nn
 from orthrus_rag import machine
 from orthrus_rag.config import ModelConfig
 from orthrus_rag.layers.attention import cpu_kernels
-from orthrus_rag.layers.linear import choose_kernel, linear, pack_module
+from orthrus_rag.layers.linear import choose_kernel, linear, onednn_available, pack_linears, pack_module
 from orthrus_rag.params import PoolingParams, SamplingParams
 from tests.conftest import MINILM, SMOL, engine_overrides
 from tests.parity import check_greedy_close, hf_greedy
+
+pytestmark = pytest.mark.isa  # make test runs this file again under ORTHRUS_CPU_ISA=avx2
 
 BF16_TIE_STD = 0.1  # a near-tie in bf16: a gap under this fraction of the logits' std (as the GPU set)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -34,7 +36,8 @@ def test_auto_dtype_follows_the_hardware(monkeypatch, flags, device, want):
     assert ModelConfig(device=device, dtype="float32").torch_dtype is torch.float32  # forced either way
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.skipif(not onednn_available(torch.bfloat16, "cpu"),
+                    reason="oneDNN's packed bf16 needs avx512bw/vl/dq or avx_ne_convert")
 def test_a_packed_bf16_linear_equals_the_dense_one():
     layer = nn.Linear(96, 200).to(torch.bfloat16)
     x = torch.randn(7, 96).to(torch.bfloat16)
@@ -44,6 +47,26 @@ def test_a_packed_bf16_linear_equals_the_dense_one():
     assert got.dtype is torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert choose_kernel([(96, 200)], rows=(1, 8), dtype=torch.bfloat16) in ("dense", "onednn")
+
+
+def test_without_onednn_bf16_packing_is_refused_in_one_line_and_auto_stays_dense(monkeypatch):
+    """An AVX2-only CPU: torch's oneDNN has no bf16 there (its reorder raises mid-load). A packed copy asked for by
+    name is refused naming the flags; `linear_kernel=auto` keeps bf16 linears dense, and fp32 still packs."""
+    from orthrus_rag.engine.executor.loading import _use_onednn
+
+    monkeypatch.setattr(machine, "onednn_bf16_supported", lambda: False)
+    assert not onednn_available(torch.bfloat16, "cpu")
+    model = nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="avx512bw, avx512vl and avx512dq, or avx_ne_convert"):
+        pack_module(model[0])
+    with pytest.raises(ValueError, match="linear_kernel=dense"):
+        _use_onednn("onednn", model, torch.bfloat16, "cpu")
+    assert not _use_onednn("auto", model, torch.bfloat16, "cpu")
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))  # dense bf16 runs
+    if torch.backends.mkldnn.is_available():
+        assert onednn_available(torch.float32, "cpu")
+        assert pack_linears(nn.Sequential(nn.Linear(16, 8))) == 1
 
 
 def test_the_decode_kernel_reads_a_bf16_cache_in_fp32_arithmetic():
@@ -98,8 +121,13 @@ def bf16_engine(smol_path):  # NOTE: smol_path marks every test that uses it slo
 
 
 def test_bf16_engine_runs_bf16_with_the_decode_kernel(bf16_engine):
+    from orthrus_rag.layers.linear import PackedLinear
+
     assert bf16_engine.runner.kv_caches[0][0].dtype is torch.bfloat16
     assert bf16_engine.runner.decode_kernel == cpu_kernels.decode_kernel_available()
+    if not onednn_available(torch.bfloat16, "cpu"):  # NOTE: an AVX2 CPU (or ORTHRUS_CPU_ISA=avx2): dense bf16
+        model = bf16_engine.runner.model
+        assert not any(isinstance(m, PackedLinear) or hasattr(m, "_onednn") for m in model.modules())
 
 
 def test_bf16_greedy_equals_transformers_bf16_up_to_a_near_tie(bf16_engine, smol_path, smol_tokenizer):

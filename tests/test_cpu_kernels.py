@@ -15,7 +15,7 @@ from orthrus_rag.models.llama import RMSNorm, apply_rotary
 from tests.test_attention import SCENARIOS, _run, _scenario
 
 # NOTE: the extension builds on first use (a minute on a fresh machine): not part of the fast subset
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa]
 
 
 @pytest.fixture(scope="module", autouse=True)

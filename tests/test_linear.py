@@ -12,7 +12,8 @@ from orthrus_rag.layers.lora import LoRALinear
 from orthrus_rag.params import PoolingParams, SamplingParams
 from tests.conftest import SMOL, engine_overrides
 
-pytestmark = pytest.mark.skipif(not onednn_available(torch.float32, "cpu"), reason="torch built without oneDNN")
+pytestmark = [pytest.mark.isa,
+              pytest.mark.skipif(not onednn_available(torch.float32, "cpu"), reason="torch built without oneDNN")]
 
 
 class Tiny(nn.Module):

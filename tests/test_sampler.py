@@ -12,6 +12,8 @@ from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.sampler import Sampler, inverse_cdf, make_generator, sample_logits
 from orthrus_rag.params import SamplingParams
 
+pytestmark = pytest.mark.isa  # make test runs this file again under ORTHRUS_CPU_ISA=avx2
+
 VOCAB = 50
 
 

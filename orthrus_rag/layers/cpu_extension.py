@@ -8,7 +8,9 @@ the sampler's draw from each row's probabilities and its greedy argmax (sampler.
 each costs ~30-60 s of compiling on a fresh machine.
 
 The build is compiled with `-march=native` into torch's extension cache under a name that carries the CPU model,
-the torch version and the sources (`machine_key`), so another CPU or an edited kernel builds anew. It needs a
+the torch version and the sources (`machine_key`), so another CPU or an edited kernel builds anew.
+`ORTHRUS_CPU_ISA=avx2` builds it for x86-64-v3 instead, under its own name (machine.py): the paths an AVX2-only
+CPU runs, tested on any x86-64 one. It needs a
 C++ compiler and ninja; where the build fails every caller keeps its pure-torch path (SDPA, eager ops).
 """
 
@@ -22,7 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 from orthrus_rag.layers.csrc import decode_attention, elementwise, layer_loop, lora, prefill_attention, sampling
-from orthrus_rag.machine import machine_key
+from orthrus_rag.machine import machine_key, march
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,10 @@ LOCK_TIMEOUT_ENV = "ORTHRUS_BUILD_LOCK_TIMEOUT_S"
 LOCK_POLL_S = 0.5
 LOCK_REPORT_EVERY_S = 15.0
 _LOCK = threading.Lock()
+# NOTE: -mno-recip: under -ffast-math GCC turns vector float divisions into a reciprocal estimate and one
+# Newton step, exact enough from AVX-512's 14-bit estimate but not from AVX2's 12-bit one (silu(100) came out
+# 99.99999 there); a true division costs a little more in SiLU-and-mul alone and is the same bits on every ISA
+CFLAGS = ["-O3", "-fopenmp", "-ffast-math", "-mno-recip"]
 
 
 def _sources() -> list[str]:
@@ -49,7 +55,7 @@ FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_atten
 
 def build_name() -> str:
     """One build per CPU model, torch version and source: `-march=native` code must not run on another CPU."""
-    return f"orthrus_cpu_kernels_{machine_key(*_sources())}"
+    return f"orthrus_cpu_kernels_{machine_key(*_sources(), *CFLAGS)}"
 
 
 @lru_cache(maxsize=1)
@@ -66,7 +72,7 @@ def kernels() -> Any:
             logger.info("loading the CPU kernels (compiled on first use per machine: ~30-60 s)")
             return cpp_extension.load_inline(
                 name=name, cpp_sources=_sources(), functions=FUNCTIONS,
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                extra_cflags=CFLAGS + [f"-march={march()}"], extra_ldflags=["-fopenmp"],
                 verbose=False)
         except Exception as exc:  # NOTE: no compiler, no ninja, an unusual platform: the torch paths still work
             logger.warning("CPU kernels unavailable (%s: %s); using torch's ops", type(exc).__name__, exc)

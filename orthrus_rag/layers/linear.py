@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orthrus_rag import machine
+
 logger = logging.getLogger(__name__)
 KERNELS = ("auto", "dense", "onednn")
 
@@ -33,8 +35,20 @@ PACKABLE = (torch.float32, torch.bfloat16)
 
 def onednn_available(dtype: torch.dtype, device: str | torch.device) -> bool:
     """oneDNN packing applies on CPU to fp32 and bf16 weights (bf16's dense matmul is oneDNN too, but it reorders
-    the weight at every call: ~5-10% of a small GEMM, measured on an EPYC core)."""
-    return torch.device(device).type == "cpu" and dtype in PACKABLE and torch.backends.mkldnn.is_available()
+    the weight at every call: ~5-10% of a small GEMM, measured on an EPYC core). bf16 only where torch's oneDNN
+    runs it (`machine.onednn_bf16_supported`: not on AVX2-only CPUs, whose bf16 linears stay dense)."""
+    if torch.device(device).type != "cpu" or dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or machine.onednn_bf16_supported()
+
+
+def check_packable(dtype: torch.dtype) -> None:
+    """Raise the one-line error for a oneDNN copy in `dtype` that this CPU cannot run (torch's own is raised from
+    inside the reorder, and names no fallback)."""
+    if dtype == torch.bfloat16 and not machine.onednn_bf16_supported():
+        raise ValueError(f"oneDNN's packed bf16 linears need the CPU flags {machine.ONEDNN_BF16_FLAGS}, which "
+                         f"this CPU ({machine.cpu_model()}) lacks: use model.linear_kernel=dense (or auto) for bf16, "
+                         "or dtype=float32")
 
 
 def _pointwise_op():  # -> torch.ops.mkldnn._linear_pointwise or None
@@ -90,6 +104,7 @@ class PackedLinear(nn.Linear):
 
 def pack_module(module: nn.Linear) -> None:
     """(Re)build `module`'s oneDNN copy from its current dense weight and bias."""
+    check_packable(module.weight.dtype)
     with torch.no_grad():
         weight = module.weight.detach().contiguous()
         bias = module.bias.detach().contiguous() if module.bias is not None else None

@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.layers import cpu_elementwise
-from orthrus_rag.layers.linear import choose_kernel, onednn_available, pack_linears, packed_layout
+from orthrus_rag.layers.linear import check_packable, choose_kernel, onednn_available, pack_linears, packed_layout
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
-from orthrus_rag.machine import machine_key, remembered
+from orthrus_rag.machine import ONEDNN_BF16_FLAGS, machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
 from orthrus_rag.models.registry import cache_root, resolve_adapter_path, resolve_model_path
@@ -84,7 +84,11 @@ def load_models(config: EngineConfig) -> LoadedModels:
 
 
 def _use_onednn(kernel: str, model: torch.nn.Module, dtype: torch.dtype, device: str) -> bool:
+    if kernel == "onednn" and torch.device(device).type == "cpu":
+        check_packable(dtype)  # NOTE: asked for by name: refused in one line, not by torch's reorder mid-load
     if kernel == "dense" or not onednn_available(dtype, device):
+        if kernel == "auto" and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+            logger.info("bf16 linears stay dense: oneDNN's packed bf16 path needs %s", ONEDNN_BF16_FLAGS)
         return False
     if kernel == "onednn":
         return True
