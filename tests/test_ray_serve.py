@@ -101,9 +101,10 @@ def test_both_replicas_carry_requests(ray_serve):
 
 
 def test_a_killed_replica_fails_nothing_silently(ray_serve):
-    """One replica's actor killed mid-load: every request answers or gets a retryable 503 within a bounded time
-    (a call that had not streamed is sent again to the other replica), Ray brings the replica back, and neither
-    replica holds a KV block afterwards."""
+    """One replica's actor killed mid-load: every request is answered within a bounded time (none of them
+    streams, so each that the dead replica held is sent again to the other one: only a stream that had already
+    sent text may end in a retryable 503, RayServeClient), Ray brings the replica back, and neither replica holds a
+    KV block afterwards."""
     import time
 
     import ray
@@ -119,9 +120,8 @@ def test_a_killed_replica_fails_nothing_silently(ray_serve):
             client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": f"Tell a story {i}."}],
                                            max_tokens=48, temperature=0)
             return "ok"
-        except openai.InternalServerError as exc:
-            assert exc.status_code == 503 and exc.response.headers.get("retry-after"), exc
-            return "503"
+        except openai.InternalServerError as exc:  # NOTE: named in the assertion below, not raised in a worker
+            return f"{exc.status_code}: {exc.message}"
 
     victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if REPLICA in a["name"])
     start = time.monotonic()
@@ -130,7 +130,9 @@ def test_a_killed_replica_fails_nothing_silently(ray_serve):
         time.sleep(1.0)
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
         results = [f.result(timeout=120) for f in futures]
-    assert set(results) <= {"ok", "503"} and time.monotonic() - start < 120
+    # NOTE: a 503 here means a call whose replica died was not sent again (the client's retry, deploy.retries)
+    assert results == ["ok"] * len(results), [r for r in results if r != "ok"]
+    assert time.monotonic() - start < 120
     deadline = time.monotonic() + 120
     while serve.status().applications[APP_NAME].deployments[REPLICA].replica_states.get("RUNNING", 0) != 2:
         assert time.monotonic() < deadline, "the killed replica was not replaced"
