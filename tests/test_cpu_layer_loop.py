@@ -31,8 +31,9 @@ def kernels_built():
         pytest.fail("the CPU extension did not build (a compiler and ninja are installed with the project)")
 
 
-def _model(kind: str, dtype: torch.dtype, packed: bool, lora: str | None = None) -> CausalLM:
-    """`lora`: None, "torch" (two adapters on torch's ops) or "kernel" (on the LoRA kernel, as the engine loads)."""
+def _model(kind: str, dtype: torch.dtype, packed: bool | int, lora: str | None = None) -> CausalLM:
+    """`packed`: the oneDNN copies taken from 1 row (True), from that many rows (an int), or none (False).
+    `lora`: None, "torch" (two adapters on torch's ops) or "kernel" (on the LoRA kernel, as the engine loads)."""
     config = {"llama": LlamaConfig(**COMMON), "qwen2": Qwen2Config(**COMMON),  # qwen2: Q/K/V biases
               "biases": LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),  # every projection's
               "mistral": MistralConfig(**COMMON, sliding_window=6), "qwen3": Qwen3Config(**COMMON, head_dim=32)}[kind]
@@ -60,7 +61,7 @@ def _model(kind: str, dtype: torch.dtype, packed: bool, lora: str | None = None)
         if lora == "kernel":
             use_cpu_lora_kernel(model)
     if packed:
-        pack_linears(model)
+        pack_linears(model, from_rows=1 if packed is True else packed)
     return model
 
 
@@ -120,11 +121,12 @@ STEPS = [
 
 @pytest.mark.parametrize("kind,lora", [("llama", None), ("qwen2", None), ("biases", None), ("mistral", None),
                                        ("llama", "torch"), ("llama", "kernel")])
-@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
-                                          (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.float32, 4),
+                                          (torch.bfloat16, False), (torch.bfloat16, True), (torch.bfloat16, 4)])
 def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
     """Every step of a plain model; a LoRA-wrapped model's steps without adapter rows on torch's ops (its wrappers
-    add nothing then), and with rows of two adapters beside base rows on the LoRA kernel."""
+    add nothing then), and with rows of two adapters beside base rows on the LoRA kernel. Packed from 4 rows: the
+    steps of 1 and 3 rows multiply by the dense weights, those of 9 and 14 by the packed ones, in both loops."""
     if packed and dtype is torch.bfloat16 and not PACKED_BF16:
         pytest.skip(NO_PACKED_BF16)
     prefill_kernel = dtype is torch.bfloat16 and cpu_prefill.prefill_kernel_available(dtype, 32)
@@ -134,6 +136,7 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
     assert model.use_cpu_layer_loop()
     spy = model.model.layer_loop = Spy(model.model.layer_loop)
     got, got_caches = _steps(model, STEPS, prefill_kernel, slots)
+    assert spy.loop.packed_from == (0 if not packed else 1 if packed is True else packed)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     for (gk, gv), (wk, wv) in zip(got_caches, want_caches):

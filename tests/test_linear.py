@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from orthrus_rag.layers import linear as linear_module
 from orthrus_rag.layers.linear import PackedLinear, choose_kernel, linear, onednn_available, pack_linears
 from orthrus_rag.layers.lora import LoRALinear
 from orthrus_rag.params import PoolingParams, SamplingParams
@@ -69,8 +70,74 @@ def test_lora_wrapping_keeps_the_packed_copy():
     torch.testing.assert_close(wrapped(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=1e-5)
 
 
-def test_choose_kernel_times_both_and_names_one():
-    assert choose_kernel([(16, 24), (24, 16)], rows=(1, 4)) in ("dense", "onednn")
+def test_the_layers_the_head_and_the_encoder_each_get_the_faster_kernel(monkeypatch, tmp_path):
+    """loading._pack times three groups apart: here only the head's shape is "faster" packed, so only the head is
+    packed, and the layers (a fused projection's carrier included) keep their dense weights."""
+    from transformers import LlamaConfig
+
+    from orthrus_rag.engine.executor import loading
+    from orthrus_rag.models.llama import CausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True)
+    model = CausalLM(config).eval()
+    model.fuse_projections()
+    encoder = Tiny()
+    timed: list[list[tuple[int, int]]] = []
+
+    def choose(shapes, dtype):
+        timed.append(list(shapes))
+        return 4 if shapes == [(32, 96)] else None
+
+    monkeypatch.setattr(loading, "choose_kernel", choose)
+    monkeypatch.setenv("ORTHRUS_RAG_CACHE", str(tmp_path))  # NOTE: choices are remembered per machine
+    loading._pack("auto", model, encoder, torch.float32, "cpu")
+    assert [(32, 96)] in timed and len(timed) == 3
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert linear_module.packed_from(model.lm_head) == 4
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn.fusions["qkv"].carrier, "_onednn") and not hasattr(attn.o_proj, "_onednn")
+    assert not any(hasattr(m, "_onednn") for m in encoder.modules())
+    hidden = torch.randn(3, 32)
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.lm_head.weight.T, atol=1e-5, rtol=1e-5)
+    assert pack_linears(model, lambda m: m is not model.lm_head) == 2 * 4  # qkv, o, gate_up, down per layer
+
+
+def test_choose_kernel_times_both_and_names_a_row_count():
+    assert choose_kernel([(16, 24), (24, 16)], rows=(1, 4)) in (None, 1, 4)
+
+
+@pytest.mark.parametrize("ratios,want", [
+    ({1: 1.4, 4: 0.8, 16: 0.88, 64: 0.9, 256: 0.92}, 4),  # one row slower (AVX2 on an EPYC core): from 4 rows
+    ({1: 0.7, 4: 0.6, 16: 0.9, 64: 0.9, 256: 0.9}, 1),  # faster everywhere
+    ({1: 1.3, 4: 1.1, 16: 1.02, 64: 0.98, 256: 0.99}, None),  # saves under 5% over all buckets: no copy
+    ({1: 0.9, 4: 1.5, 16: 0.95, 64: 0.7, 256: 0.7}, 16),  # where the saving from there up is largest
+])
+def test_the_row_threshold_is_where_taking_onednn_saves_most(monkeypatch, ratios, want):
+    """choose_kernel's rule on given time ratios (oneDNN's time over the dense one per row bucket)."""
+    calls: list[int] = []
+
+    def fake_time(fn, repeats=3):
+        calls.append(0)
+        return 1.0 if len(calls) % 2 == 0 else ratios[ROWS[len(calls) // 2 % len(ROWS)]]
+
+    ROWS = tuple(ratios)
+    monkeypatch.setattr(linear_module, "_time", fake_time)
+    assert choose_kernel([(8, 8)], rows=ROWS) == want
+
+
+def test_fewer_rows_than_the_threshold_take_the_dense_weight():
+    torch.manual_seed(2)
+    seq = nn.Sequential(nn.Linear(16, 8))
+    pack_linears(seq, from_rows=3)
+    lin = seq[0]  # NOTE: the PackedLinear that took the plain layer's place
+    lin.weight = nn.Parameter(lin.weight.detach() * 2)  # the packed copy is stale: a call's result shows which
+    x = torch.randn(5, 16)
+    dense, packed = x @ lin.weight.T + lin.bias, x @ (lin.weight / 2).T + lin.bias
+    torch.testing.assert_close(linear(lin, x[:2]), dense[:2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(lin, x[:3]), packed[:3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(lin, x.view(1, 5, 16)), packed.view(1, 5, 8), atol=1e-5, rtol=1e-5)
+    assert LoRALinear(lin)._onednn_from == 3  # a wrapper keeps the threshold with the copy
 
 
 @pytest.mark.slow

@@ -59,10 +59,9 @@ def _encode(groups: list[LoRAGroup | None], dtype: torch.dtype) -> tuple[tuple[l
     return ((tensors, ints, scales) if tensors else _NO_ADAPTERS), ok
 
 
-def _affine(module: nn.Linear, packed: bool) -> list[torch.Tensor]:
-    """The weight and bias that `linear.linear(module, x)` multiplies by, as the C++ loop takes them."""
-    w, b = module._onednn if packed else (module.weight, module.bias)
-    return [w, _NO_BIAS if b is None else b]
+def _affine(module: nn.Linear) -> list[torch.Tensor]:
+    """The dense weight and the bias of `module`, as the C++ loop takes them (a packed copy's bias is the same)."""
+    return [module.weight, _NO_BIAS if module.bias is None else module.bias]
 
 
 class LayerLoop:
@@ -83,19 +82,23 @@ class LayerLoop:
         mods = [m for layer in model.layers for m in (layer.self_attn.fusions["qkv"].carrier, layer.self_attn.o_proj,
                                                       layer.mlp.fusions["gate_up"].carrier, layer.mlp.down_proj)]
         packed = [getattr(m, "_onednn", None) is not None for m in mods]
-        # NOTE: all packed (and torch has the pointwise op) or all dense: pack_linears packs every one or none
-        self.packed = all(packed) and linear._POINTWISE is not None and self._pointwise
+        froms = {linear.packed_from(m) for m in mods}
+        # NOTE: all packed from one row count (and torch has the pointwise op) or all dense: pack_linears packs
+        # every one of the layers or none, from one threshold
+        self.packed = all(packed) and len(froms) == 1 and linear._POINTWISE is not None and self._pointwise
         if any(packed) and not self.packed:
             self._weights = None
             return
+        # the packed weights, taken by steps of at least `packed_from` rows as linear.linear takes them
+        self.packed_w = [m._onednn[0] for m in mods] if self.packed else []
+        self.packed_from = froms.pop() if self.packed else 0
         weights: list[torch.Tensor] = []
         self.eps: list[float] = []
         nexts = [*(lr.input_layernorm for lr in model.layers[1:]), model.norm]
         for layer, next_norm in zip(model.layers, nexts):
             att, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-            weights += [*_affine(att.fusions["qkv"].carrier, self.packed), *_affine(att.o_proj, self.packed),
-                        post.weight, *_affine(mlp.fusions["gate_up"].carrier, self.packed),
-                        *_affine(mlp.down_proj, self.packed), next_norm.weight]
+            weights += [*_affine(att.fusions["qkv"].carrier), *_affine(att.o_proj), post.weight,
+                        *_affine(mlp.fusions["gate_up"].carrier), *_affine(mlp.down_proj), next_norm.weight]
             self.eps += [post.eps, next_norm.eps]
         first = model.layers[0].self_attn
         self.windows = [-1 if lr.self_attn.window is None else lr.self_attn.window for lr in model.layers]
@@ -131,6 +134,6 @@ class LayerLoop:
         caches = [c for kv in ctx.kv_caches for c in kv]
         lora_w, lora_ints, lora_scales = self._adapters if ctx.lora_rows else _NO_ADAPTERS
         return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,
-                                    self.packed, self.scale, slot_mapping, chunks, groups, q_all, identity,
+                                    self.packed_w, self.packed_from, self.scale, slot_mapping, chunks, groups, q_all, identity,
                                     lora_w, lora_ints, lora_scales, [s for s, _ in ctx.lora_rows],
                                     [r for _, r in ctx.lora_rows])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -82,10 +82,16 @@ def onednn_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | No
     return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), w, b.to_mkldnn()).to_dense()
 
 
+def packed_from(module: nn.Module) -> int:
+    """The row count from which `linear` multiplies by `module`'s oneDNN copy (fewer rows take the dense weight)."""
+    return getattr(module, "_onednn_from", 1)
+
+
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module`'s affine map, on its oneDNN copy when it has one."""
+    """`module`'s affine map, on its oneDNN copy when it has one and `x` has at least `packed_from` rows."""
     packed = getattr(module, "_onednn", None)
-    if packed is None or x.dtype != module.weight.dtype or x.device.type != "cpu":
+    if (packed is None or x.dtype != module.weight.dtype or x.device.type != "cpu"
+            or x.numel() < packed_from(module) * x.shape[-1]):
         return F.linear(x, module.weight, module.bias)
     return onednn_linear(x, packed)
 
@@ -102,9 +108,11 @@ class PackedLinear(nn.Linear):
         return linear(self, x)
 
 
-def pack_module(module: nn.Linear) -> None:
-    """(Re)build `module`'s oneDNN copy from its current dense weight and bias."""
+def pack_module(module: nn.Linear, from_rows: int | None = None) -> None:
+    """(Re)build `module`'s oneDNN copy from its current dense weight and bias; `linear` takes it for inputs of at
+    least `from_rows` rows (default: as before, else 1)."""
     check_packable(module.weight.dtype)
+    module._onednn_from = from_rows if from_rows is not None else packed_from(module)  # type: ignore[assignment]
     with torch.no_grad():
         weight = module.weight.detach().contiguous()
         bias = module.bias.detach().contiguous() if module.bias is not None else None
@@ -118,55 +126,80 @@ def pack_module(module: nn.Linear) -> None:
         _GENERATION[0] += 1
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Give every nn.Linear of `model` a oneDNN copy; plain ones become PackedLinear (subclasses such as
-    LoRALinear call `linear` themselves). Layers computed through a fused projection (layers/fused.py) are
-    skipped: the fusion's own weight is packed instead. Returns how many were packed."""
-    count = 0
+def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str | None, nn.Linear]]:
+    """(parent, attribute, layer) of each Linear `model` multiplies by: the carriers of fused projections
+    (attribute None: not a child; the layers computed through them, layers/fused.py, are left out) and the others."""
     for parent in list(model.modules()):
         for fusion in getattr(parent, "fusions", {}).values():
-            pack_module(fusion.carrier)
-            count += 1
+            yield parent, None, fusion.carrier
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or getattr(child, "_fused", False):
-                continue
-            if type(child) is nn.Linear:
-                child = PackedLinear(child)
-                setattr(parent, name, child)
-            pack_module(child)
-            count += 1
-    logger.info("packed %d linear layers for oneDNN", count)
+            if isinstance(child, nn.Linear) and not getattr(child, "_fused", False):
+                yield parent, name, child
+
+
+def linear_shapes(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m: True) -> list[tuple[int, int]]:
+    """The distinct (in, out) shapes of the Linears that `pack_linears(model, keep)` packs."""
+    return sorted({(m.in_features, m.out_features) for _, _, m in _linears(model) if keep(m)})
+
+
+def pack_linears(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m: True, from_rows: int = 1) -> int:
+    """Give every nn.Linear of `model` that `keep` selects a oneDNN copy, taken from `from_rows` rows up; plain ones
+    become PackedLinear (subclasses such as LoRALinear call `linear` themselves). Layers computed through a fused
+    projection (layers/fused.py) are left out: the fusion's own weight is packed instead. Returns how many were
+    packed."""
+    count = 0
+    for parent, name, child in _linears(model):
+        if not keep(child):
+            continue
+        if name is not None and type(child) is nn.Linear:
+            child = PackedLinear(child)
+            setattr(parent, name, child)
+        pack_module(child, from_rows)
+        count += 1
+    logger.info("packed %d linear layers for oneDNN (from %d rows)", count, from_rows)
     return count
 
 
 def _time(fn, repeats: int = 3) -> float:
     fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
+    best = math.inf
+    for _ in range(repeats):  # NOTE: the fastest of a few: a timing that another process interrupted is dropped
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / repeats
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+ROW_BUCKETS = (1, 4, 16, 64, 256)
 
 
 @torch.inference_mode()
-def choose_kernel(shapes: Iterable[tuple[int, int]], rows: tuple[int, ...] = (1, 16, 64, 256),
-                  dtype: torch.dtype = torch.float32) -> str:
-    """'dense' or 'onednn', whichever runs the given (in, out) weight shapes faster here (a few tens of
-    milliseconds on a small model). Every (shape, batch) pair weighs the same, by the geometric mean of the time
-    ratios: decode steps (a few rows) matter as much as prompt chunks, although they take less time each.
-    oneDNN must win by 5% to be chosen: its packed copy costs memory."""
+def choose_kernel(shapes: Iterable[tuple[int, int]], rows: tuple[int, ...] = ROW_BUCKETS,
+                  dtype: torch.dtype = torch.float32) -> int | None:
+    """The row count from which oneDNN's packed copy runs the given (in, out) weight shapes faster than the dense
+    matmul here, or None where it does not pay (a few tens of milliseconds on a small model).
+
+    The two cross over: with AVX2 code on an EPYC core MKL ran one row 1.4x faster than oneDNN (a decode at batch
+    1) and oneDNN 4-256 rows 5-20% faster (measured in fp32 on SmolLM2's shapes), so one kernel for every row count
+    lost either way. Per row bucket the time ratio is the geometric mean over the shapes; the threshold is the
+    bucket from which taking oneDNN gives the lowest summed log-ratio over the buckets, each bucket weighing the
+    same: decode steps (a few rows) matter as much as prompt chunks, although they take less time each. oneDNN must
+    save 5% over all the buckets to be used at all: its packed copy costs memory."""
     shapes = sorted(set(shapes))
-    log_ratio, count = 0.0, 0
+    logs = {m: 0.0 for m in rows}
     for k, n in shapes:
         w, b = (torch.randn(n, k) * 0.02).to(dtype), torch.zeros(n, dtype=dtype)
         layer = nn.Linear(k, n)
         layer.weight.data, layer.bias.data = w, b
-        pack_module(layer)
+        pack_module(layer, 1)
         for m in rows:
             x = torch.randn(m, k).to(dtype)
-            log_ratio += math.log(_time(lambda: linear(layer, x)) / _time(lambda: F.linear(x, w, b)))
-            count += 1
-    ratio = math.exp(log_ratio / max(count, 1))
-    choice = "onednn" if ratio < 0.95 else "dense"
-    logger.info("linear kernel (%s): %s (oneDNN takes %.2fx the dense time, geometric mean over %d shapes x "
-                "batches %s)", str(dtype).removeprefix("torch."), choice, ratio, len(shapes), rows)
+            logs[m] += math.log(_time(lambda: linear(layer, x)) / _time(lambda: F.linear(x, w, b))) / len(shapes)
+    # the saving of taking oneDNN from each bucket up: sum of the log-ratios from there (negative: faster)
+    saving = {m: sum(v for r, v in logs.items() if r >= m) for m in rows}
+    best = min(rows, key=lambda m: (saving[m], m))
+    choice = best if saving[best] < math.log(0.95) * len(rows) else None
+    logger.info("linear kernel (%s, %d shapes): %s; oneDNN's time / dense per rows: %s", str(dtype).removeprefix(
+        "torch."), len(shapes), "dense" if choice is None else f"oneDNN from {choice} rows",
+        ", ".join(f"{m}: {math.exp(v):.2f}" for m, v in logs.items()))
     return choice

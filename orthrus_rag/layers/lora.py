@@ -32,7 +32,7 @@ from torch import nn
 from orthrus_rag.config import LORA_KERNELS
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.wrapping import wrap_once
-from orthrus_rag.layers.linear import linear
+from orthrus_rag.layers.linear import linear, packed_from
 from orthrus_rag.layers.lora_fused import LoRAGroup, adapters_changed, cached_group
 from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas, load_full_deltas
 
@@ -134,7 +134,7 @@ class LoRALinear(nn.Linear):
         self.weight = base.weight
         self.bias = base.bias
         if getattr(base, "_onednn", None) is not None:  # keep a packed base's oneDNN copy (layers/linear.py)
-            self._onednn = base._onednn
+            self._onednn, self._onednn_from = base._onednn, packed_from(base)
         if getattr(base, "_fused", False):  # computed through a fused projection (layers/fused.py)
             self._fused = True
         self.scalings: dict[int, float] = {}

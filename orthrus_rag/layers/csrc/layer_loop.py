@@ -26,8 +26,9 @@ inline std::optional<at::Tensor> bias(const at::Tensor& b) {
   return b.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(b);
 }
 
-inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool packed) {
-  if (packed) return pointwise().call(x, w, bias(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+// x times the packed weight `pw` where there is one (defined), else the dense `w`; the same bias either way.
+inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor* pw, const at::Tensor& b) {
+  if (pw) return pointwise().call(x, *pw, bias(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
   return at::linear(x, w, bias(b));
 }
 
@@ -86,8 +87,9 @@ bool layer_loop_pointwise() {
 // The fast path of models/llama.py's DecoderModel.forward (its fused branch: DecoderLayer.forward_fused per layer),
 // every layer in one call: the same kernels in the same order as the Python layers call them, so the result is
 // bit for bit theirs. h: the first layer's normed input [T, N]; residual [T, N], the running sum (updated in
-// place); cos / signed sin [T, D]. Per layer: kWeights tensors (weights packed or dense, per `packed`), two caches,
-// eps (post-attention, next norm) and a window (-1: none). The attention plan (attention/grouped.py's
+// place); cos / signed sin [T, D]. Per layer: kWeights tensors (dense weights), two caches, eps (post-attention,
+// next norm) and a window (-1: none); packed_w: the four projections' packed weights per layer (or none), which a
+// step of at least packed_from rows multiplies by instead, as linear.linear does. The attention plan (attention/grouped.py's
 // kernel_plan): the step's slot_mapping, the chunks of the prefill kernel (none, or q_start, q_len, ctx_len,
 // key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in order, so its
 // queries are q itself; identity: the plan's one such group and no chunks, so its output is the layer's).
@@ -95,7 +97,8 @@ bool layer_loop_pointwise() {
 // adapter rows). Returns the last norm's output [T, N].
 torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
                          std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, std::vector<double> eps,
-                         std::vector<int64_t> windows, std::vector<int64_t> shape, bool packed, double scale,
+                         std::vector<int64_t> windows, std::vector<int64_t> shape,
+                         std::vector<torch::Tensor> packed_w, int64_t packed_from, double scale,
                          torch::Tensor slot_mapping, std::vector<torch::Tensor> chunks,
                          std::vector<torch::Tensor> groups, std::vector<int64_t> q_all, bool identity,
                          std::vector<torch::Tensor> lora_w, std::vector<int64_t> lora_ints,
@@ -114,13 +117,16 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
   const int64_t H = shape[0], KVH = shape[1], D = shape[2], I = shape[3], T = h.size(0);
   TORCH_CHECK(!identity || (chunks.empty() && q_all.size() == 1 && q_all[0] != 0), "layer_loop: identity plan");
   TORCH_CHECK(lora_slots.size() == lora_rows.size(), "layer_loop: one rows tensor per adapter slot");
+  TORCH_CHECK(packed_w.empty() || static_cast<int64_t>(packed_w.size()) == 4 * L, "layer_loop: packed weights");
+  const bool use_packed = !packed_w.empty() && T >= packed_from;
   Adapters adapters{lora_w, lora_ints, lora_scales, lora_slots, lora_rows};
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + l * kWeights;
+    const torch::Tensor* pw = use_packed ? packed_w.data() + 4 * l : nullptr;
     const torch::Tensor& kc = caches[2 * l];
     const torch::Tensor& vc = caches[2 * l + 1];
     const int64_t window = windows[l];
-    auto qkv = project(h, w[kQkvW], w[kQkvB], packed);
+    auto qkv = project(h, w[kQkvW], pw, w[kQkvB]);
     adapters.add(h, qkv);
     auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
     auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
@@ -145,13 +151,13 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
       }
     }
     auto o_in = o.view({T, H * D});
-    auto attn = project(o_in, w[kOW], w[kOB], packed);
+    auto attn = project(o_in, w[kOW], pw ? pw + 1 : nullptr, w[kOB]);
     adapters.add(o_in, attn);
     h = add_rms_norm(attn, residual, w[kPostNorm], eps[2 * l]);
-    auto gate_up = project(h, w[kGateUpW], w[kGateUpB], packed);
+    auto gate_up = project(h, w[kGateUpW], pw ? pw + 2 : nullptr, w[kGateUpB]);
     adapters.add(h, gate_up);
     auto act = silu_mul(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I));
-    auto down = project(act, w[kDownW], w[kDownB], packed);
+    auto down = project(act, w[kDownW], pw ? pw + 3 : nullptr, w[kDownB]);
     adapters.add(act, down);
     h = add_rms_norm(down, residual, w[kNextNorm], eps[2 * l + 1]);
   }
