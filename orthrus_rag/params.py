@@ -31,6 +31,10 @@ class StructuredOutputsParams:
 
     `whitespace_flexible`: JSON may put any whitespace between tokens; off (the default) it is written compactly
     (`{"a": 1, "b": [2, 3]}`): a small model given free whitespace can fill its whole budget with it.
+    `close_on_length` (on by default): as the token budget (`max_tokens`, or the model's length) runs out, the
+    output is closed (open string, objects and arrays closed, missing required keys written minimally) so that it
+    still parses; `finish_reason` stays "length". Off: the output is cut wherever the budget ends
+    (orthrus_rag/structured/budget.py).
     """
 
     json: dict | str | None = None
@@ -39,8 +43,12 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     whitespace_flexible: bool = False
+    close_on_length: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("whitespace_flexible", "close_on_length"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got "
@@ -72,11 +80,13 @@ class StructuredOutputsParams:
         body = {self.kind: list(value) if self.kind == "choice" else value}
         if self.whitespace_flexible:
             body["whitespace_flexible"] = True
+        if not self.close_on_length:
+            body["close_on_length"] = False
         return body
 
     @property
     def key(self) -> str:
-        """What identifies the compiled grammar (the compiler's cache key)."""
+        """What identifies the compiled grammar (the compiler's cache key; `close_on_length` does not change it)."""
         value: Any = getattr(self, self.kind)
         return json.dumps([self.kind, value, self.whitespace_flexible], sort_keys=True)
 

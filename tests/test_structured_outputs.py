@@ -3,6 +3,7 @@ mixed steps; constrained outputs always parse, and unconstrained rows of the sam
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import re
@@ -34,7 +35,37 @@ class Finding(BaseModel):
     evidence: list[Evidence] = Field(max_length=2)
 
 
+class Town(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    country: str
+
+
+class Portrait(BaseModel):
+    """A nested object and an unbounded string: a model asked for a long summary runs into max_tokens inside it."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: Town
+    summary: str
+
+
+class City(BaseModel):
+    """Bounded strings: the model closes it well within its budget."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
 FINDING = StructuredOutputsParams(json=Finding.model_json_schema())
+# a Lark grammar whose language ends: after the "." it allows nothing, not even EOS
+VERDICT = 'start: "The answer is " ("yes" | "no") "."'
+# a recursive one: arithmetic with parentheses (each sentence is also a Python expression)
+ARITHMETIC = """start: expr
+expr: term ((" + " | " - " | " * ") term)*
+term: NUMBER | "(" expr ")"
+NUMBER: /[1-9][0-9]?/
+"""
 
 
 # ---- the parameters -------------------------------------------------------------------------------------------
@@ -59,6 +90,15 @@ def test_params_take_exactly_one_constraint():
     # the cache key ignores key order, and tells constraints apart
     assert StructuredOutputsParams(json={"a": 1, "b": 2}).key == StructuredOutputsParams(json={"b": 2, "a": 1}).key
     assert StructuredOutputsParams(regex="a").key != StructuredOutputsParams(grammar="a").key
+
+
+def test_close_on_length_is_a_switch_not_part_of_the_grammar():
+    on, off = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="a+", close_on_length=False)
+    assert on.close_on_length and on.key == off.key  # one compiled grammar serves both
+    assert "close_on_length" not in on.as_request() and off.as_request()["close_on_length"] is False
+    assert StructuredOutputsParams(**off.as_request()) == off  # what a remote client sends, the server reads back
+    with pytest.raises(TypeError, match="close_on_length must be true or false"):
+        StructuredOutputsParams(regex="a+", close_on_length="no")
 
 
 def test_sampling_params_refuse_ignore_eos_and_wrong_types():
@@ -165,6 +205,70 @@ def test_choice_regex_and_json_object(engine):
     assert re.fullmatch(r"So the answer is [A-Z][a-z]+( [A-Z][a-z]+)?\.", outs[1].text), outs[1].text
     assert set(json.loads(outs[2].text)) == {"name"}
     assert outs[3].text in ("red", "green", "blue")
+
+
+def test_a_grammar_that_ends_stops_the_request(engine):
+    """When the grammar's language ends, the request finishes there ("stop", no EOS sampled, no step spent on one),
+    even when that is the last token of its budget."""
+    prompt = _chat(engine.tokenizer, "Is the sky blue?")
+    spec = StructuredOutputsParams(grammar=VERDICT)
+    out = engine.generate(prompt, SamplingParams(max_tokens=32, temperature=0, structured_outputs=spec))[0]
+    assert out.text in ("The answer is yes.", "The answer is no.") and out.finish_reason == "stop"
+    assert not set(out.token_ids) & engine.eos_token_ids
+    assert engine.tokenizer.decode(out.token_ids) == out.text
+    exact = engine.generate(prompt, SamplingParams(max_tokens=len(out.token_ids), temperature=0,
+                                                   structured_outputs=spec))[0]
+    assert exact.token_ids == out.token_ids and exact.finish_reason == "stop"  # ended by the grammar, not the budget
+
+
+def test_a_recursive_lark_grammar_holds_the_output(engine):
+    prompt = _chat(engine.tokenizer, "What is 7 times 6 plus 3?")
+    free = engine.generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0]
+    spec = StructuredOutputsParams(grammar=ARITHMETIC)
+    out = engine.generate(prompt, SamplingParams(max_tokens=24, temperature=0, structured_outputs=spec))[0]
+    assert out.finish_reason == "stop", out.text  # ended by EOS, which the grammar allows after a whole expression
+    tree = ast.parse(out.text, mode="eval")  # an independent parser of the same language
+    assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult))
+               for n in ast.walk(tree)), out.text
+    assert any(isinstance(n, ast.BinOp) for n in ast.walk(tree)), out.text
+    with pytest.raises(SyntaxError):  # the model alone answers in prose
+        ast.parse(free.text, mode="eval")
+
+
+def test_a_json_schema_cut_inside_a_string_is_closed(engine):
+    """At max_tokens inside a string, the output is closed (string, object) in the budget's last tokens: it parses
+    and validates, finish_reason stays "length", and the model's own tokens are kept up to the closing. Switched off,
+    the same request is cut mid-string."""
+    prompt = _chat(engine.tokenizer, "Describe Paris as JSON with a long summary.")
+    schema = Portrait.model_json_schema()
+    outs = {}
+    for close in (True, False):
+        params = SamplingParams(max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(
+            json=schema, close_on_length=close))
+        outs[close] = engine.generate(prompt, params)[0]
+    on, off = outs[True], outs[False]
+    assert on.finish_reason == off.finish_reason == "length"
+    assert len(on.token_ids) == len(off.token_ids) == 24
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(off.text)
+    assert re.search(r'"summary": "[^"]+$', off.text), off.text  # the cut is inside the summary string
+    portrait = Portrait.model_validate_json(on.text)
+    assert portrait.summary and off.text.split('"summary": "')[1].startswith(portrait.summary)
+    kept = next(i for i, (a, b) in enumerate(zip(on.token_ids + [-1], off.token_ids)) if a != b)
+    assert kept >= 24 - 3, (on.text, off.text)  # only the closing's tokens differ
+
+
+def test_a_budget_that_suffices_is_left_alone(engine):
+    prompt = _chat(engine.tokenizer, "Tell me about Rome as JSON.")
+    spec = StructuredOutputsParams(json=City.model_json_schema())
+    free = engine.generate(prompt, SamplingParams(max_tokens=200, temperature=0, structured_outputs=spec))[0]
+    assert free.finish_reason == "stop"
+    City.model_validate_json(free.text)
+    # a few tokens to spare: the guard plans at every step (the budget is inside its horizon) and forces nothing
+    tight = SamplingParams(max_tokens=len(free.token_ids) + 3, temperature=0, structured_outputs=spec)
+    assert len(free.token_ids) + 3 <= 32
+    out = engine.generate(prompt, tight)[0]
+    assert out.token_ids == free.token_ids and out.finish_reason == "stop"
 
 
 def test_logprobs_of_constrained_rows_are_of_the_raw_distribution(engine):

@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 
+import jsonschema  # NOTE: in the dev install (ray[serve] needs it)
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +29,17 @@ class City(BaseModel):
 CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": City.model_json_schema(),
                                                        "strict": True}}
 ASK = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+FRUIT = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 16},
+                                          "colour": {"enum": ["red", "green", "yellow"]},
+                                          "sweet": {"type": "boolean"}},
+         "required": ["fruit", "colour", "sweet"], "additionalProperties": False}
+PORTRAIT = {"type": "object", "properties": {
+    "city": {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"}},
+             "required": ["name", "country"], "additionalProperties": False},
+    "summary": {"type": "string"}}, "required": ["city", "summary"], "additionalProperties": False}
+# a list that never ends on its own: a model that likes listing runs into max_tokens inside it
+COLOURS = ('start: "Colours: " colour (", " colour)* "."\n'
+           'colour: "red" | "green" | "blue" | "yellow" | "black" | "white"')
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +85,53 @@ def test_json_object_and_vllm_extra_fields(client, served):
     resp = client.chat.completions.create(model=served.model, messages=yes_no, max_tokens=8, n=3, seed=1,
                                           extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     assert all(c.message.content in ("yes", "no", "maybe") for c in resp.choices)
+
+
+def test_guided_json_and_guided_grammar(client, served):
+    """vLLM's older fields, each holding an output the model alone does not write."""
+    ask = [{"role": "user", "content": "Name a fruit and say whether it is sweet."}]
+    free = client.chat.completions.create(model=served.model, messages=ask, max_tokens=48, temperature=0)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.choices[0].message.content)
+    resp = client.chat.completions.create(model=served.model, messages=ask, max_tokens=48, temperature=0,
+                                          extra_body={"guided_json": FRUIT})
+    assert resp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(resp.choices[0].message.content), FRUIT)
+    # the schema as JSON text, on completions
+    resp = client.completions.create(model=served.model, prompt="A fruit as JSON:", max_tokens=48, temperature=0,
+                                     extra_body={"guided_json": json.dumps(FRUIT)})
+    jsonschema.validate(json.loads(resp.choices[0].text), FRUIT)
+    flags = [{"role": "user", "content": "List some colours of flags."}]
+    resp = client.chat.completions.create(model=served.model, messages=flags, max_tokens=16, temperature=0,
+                                          extra_body={"guided_grammar": COLOURS})
+    text = resp.choices[0].message.content
+    assert re.fullmatch(r"Colours: (red|green|blue|yellow|black|white)(, (red|green|blue|yellow|black|white))*\.",
+                        text), text
+    assert not free.choices[0].message.content.startswith("Colours: ")
+
+
+def test_close_on_length_over_http(client, served):
+    """At max_tokens inside a string the object comes back closed, finish_reason "length"; the extra field
+    `structured_close_on_length: false` (or `close_on_length` in `structured_outputs`) gives the cut text back."""
+    ask = [{"role": "user", "content": "Describe Paris as JSON with a long summary."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "portrait", "schema": PORTRAIT}}
+
+    def chat(**kw):
+        return client.chat.completions.create(model=served.model, messages=ask, max_tokens=24, temperature=0,
+                                              **kw).choices[0]
+
+    closed = chat(response_format=fmt)
+    assert closed.finish_reason == "length"
+    jsonschema.validate(json.loads(closed.message.content), PORTRAIT)
+    for cut in (chat(response_format=fmt, extra_body={"structured_close_on_length": False}),
+                chat(extra_body={"structured_outputs": {"json": PORTRAIT, "close_on_length": False}})):
+        assert cut.finish_reason == "length"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(cut.message.content)
+    body = _bad(lambda: chat(response_format=fmt, extra_body={"structured_close_on_length": "no"}))
+    assert body["param"] == "structured_close_on_length"
+    body = _bad(lambda: chat(extra_body={"structured_outputs": {"json": PORTRAIT, "close_on_length": "no"}}))
+    assert body["param"] == "structured_outputs" and "close_on_length must be true or false" in body["message"]
 
 
 def test_bad_constraints_are_400s_naming_the_field(client, served):

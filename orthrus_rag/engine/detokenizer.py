@@ -24,7 +24,9 @@ def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int], max_seq
         return "stop"
     reason = None
     if req.grammar is not None and req.grammar.is_stopped:
-        reason = "stop"  # the grammar is complete and allows no further token (a choice, a closed regex)
+        # the grammar is complete and allows no further token (a choice, a closed regex); "length" when sampled tokens
+        # were replaced to complete it as the budget ran out (orthrus_rag/structured/budget.py)
+        reason = "length" if req.grammar.closed_on_length else "stop"
     elif len(req.output_token_ids) >= params.max_tokens or (max_seq_len is not None and req.num_tokens >= max_seq_len):
         reason = "length"
     if reason is None and not params.stop and not req.stream:

@@ -122,7 +122,7 @@ class Engine:
         params = params or SamplingParams()
         ids = self.inputs.prompt(prompt)
         slot = self.embedding_space.generation_slot(params.adapter)
-        grammar = self._matcher(params)
+        grammar = self._matcher(params, len(ids))
         req = Request(request_id or self._new_id("gen"), RequestKind.GENERATE, ids, sampling_params=params,
                       rng=make_generator(params.seed, self.config.model.device), stream=stream,
                       handoff=handoff, grammar=grammar, adapter_slot=slot)
@@ -136,11 +136,13 @@ class Engine:
             self._grammars = compiler_for(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         return self._grammars
 
-    def _matcher(self, params: SamplingParams, tokens: Sequence[int] = ()) -> Any:
-        """A constrained request's matcher, advanced past `tokens` (a handed-off request's output so far)."""
+    def _matcher(self, params: SamplingParams, num_prompt_tokens: int, tokens: Sequence[int] = ()) -> Any:
+        """A constrained request's matcher, advanced past `tokens` (a handed-off request's output so far); its
+        budget is where the request would stop for length (`max_tokens`, or the model's length)."""
         if params.structured_outputs is None:
             return None
-        matcher = self.grammars.matcher(params.structured_outputs)
+        budget = min(params.max_tokens, self.max_seq_len - num_prompt_tokens)
+        matcher = self.grammars.matcher(params.structured_outputs, budget)
         for tok in tokens:
             if not matcher.consume(tok):
                 raise ValueError(f"the handed-off output does not follow its constraint at token {tok}")
@@ -157,7 +159,7 @@ class Engine:
                       sampling_params=handoff.sampling_params, output_token_ids=list(handoff.output_token_ids),
                       output_text=handoff.output_text, output_logprobs=list(handoff.output_logprobs),
                       rng=restore_generator(handoff.generator_state, self.config.model.device),
-                      grammar=self._matcher(handoff.sampling_params, handoff.output_token_ids),
+                      grammar=self._matcher(handoff.sampling_params, len(prompt), handoff.output_token_ids),
                       adapter_slot=self.embedding_space.generation_slot(handoff.sampling_params.adapter))
         if handoff.metrics is not None:
             req.arrival_time = handoff.metrics.arrival_time

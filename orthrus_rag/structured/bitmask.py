@@ -63,6 +63,8 @@ def _filled(rows: list[Any], vocab_size: int) -> torch.Tensor:
     bitmask = allocate_bitmask(len(rows), vocab_size)
     if all(isinstance(m, Matcher) for m in rows):
         fill_masks(rows, bitmask)  # llguidance's matchers: every row at once, on its threads
+        for m in rows:
+            m.prepare_closing()  # NOTE: the plans of outputs whose budget runs out (budget.py), while the forward runs
     else:  # any other matcher fills its own row (`fill(bitmask, row)`)
         for j, m in enumerate(rows):
             m.fill(bitmask, j)
@@ -96,8 +98,17 @@ def constrain(logits: torch.Tensor, matchers: Sequence[Any], eos_token_id: int |
     return masked
 
 
-def advance(matchers: Sequence[Any], token_ids: Sequence[int]) -> None:
-    """Move each constrained row's matcher past its sampled token."""
-    for matcher, tok in zip(matchers, token_ids):
-        if matcher is not None and not matcher.consume(tok):
+def advance(matchers: Sequence[Any], token_ids: Sequence[int]) -> list[int]:
+    """Move each constrained row's matcher past its sampled token; the tokens the rows keep: the sampled ones, but
+    where a request's output must close within its budget, the closing's token in place of one that would leave it
+    unclosable (`Matcher.take`)."""
+    kept = list(token_ids)
+    for i, (matcher, tok) in enumerate(zip(matchers, token_ids)):
+        if matcher is None:
+            continue
+        got = matcher.take(tok) if isinstance(matcher, Matcher) else (tok if matcher.consume(tok) else None)
+        if got is None:
             logger.warning("a constrained request sampled token %d its grammar refused (%s)", tok, matcher.error)
+        else:
+            kept[i] = got
+    return kept

@@ -3,7 +3,8 @@
 llguidance is the library (scripts/bench_grammar_backends.py measured it against xgrammar on this project's CPUs:
 no ahead-of-time compile, so a new schema costs about a millisecond instead of 4-400 ms, and no GPU-oriented
 dependencies). This module is the only one that imports it: the seam is `GrammarCompiler.matcher(spec)`, the
-`Matcher` it returns (consume a token, is it done) and `fill_masks` (a step's rows of masks at once).
+`Matcher` it returns (consume a token, is it done) and `fill_masks` (a step's rows of masks at once). (budget.py and
+closing.py call methods of the llguidance matchers they are handed, and import nothing of it.)
 
 Compiling happens off the step loop: front ends call `prepare` in a worker thread before they submit (the
 `AsyncEngine` and the server do), so the engine's own call is a cache hit.
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 
 from orthrus_rag.params import StructuredOutputsParams
+from orthrus_rag.structured.budget import HORIZON, LengthGuard
+from orthrus_rag.structured.closing import ByteTokens, closing_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +32,39 @@ CACHE_SIZE = 512  # compiled constraints kept per model (a server sees a few sch
 
 
 class Matcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and, with a token budget, its `LengthGuard` (budget.py)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, guard: LengthGuard | None = None) -> None:
         self._m = inner
+        self._guard = guard
 
     def consume(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar refused it (the mask should have prevented it)."""
-        return bool(self._m.consume_token(token_id))
+        """Advance past a token as it is (a handed-off request's output replayed); False if the grammar refused
+        it."""
+        ok = bool(self._m.consume_token(token_id))
+        if ok and self._guard is not None:
+            self._guard.consumed(token_id)
+        return ok
+
+    def take(self, token_id: int) -> int | None:
+        """Advance past a sampled token, or past the token that replaces it to close the output within its budget
+        (`LengthGuard.take`); the token consumed, None if the grammar refused it (the mask should have prevented
+        it)."""
+        if self._guard is None:
+            return token_id if self._m.consume_token(token_id) else None
+        kept = self._guard.take(self._m, token_id)
+        return None if self._m.is_error() else kept
+
+    def prepare_closing(self) -> None:
+        """Compute the closing plan the next `take` may need, if it is due (from the mask worker: off the step's
+        critical path)."""
+        if self._guard is not None:
+            self._guard.prepare(self._m)
+
+    @property
+    def closed_on_length(self) -> bool:
+        """Sampled tokens were replaced to close the output within its budget: it ended for lack of tokens."""
+        return self._guard is not None and self._guard.closed
 
     @property
     def is_stopped(self) -> bool:
@@ -78,6 +106,9 @@ class GrammarCompiler:
         # the tokens the engine stops on
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size
+        self._eos = eos[0] if eos else None
+        self._byte_tokens: ByteTokens | None = None  # for closing plans (budget.py), read on first use
+        self._skeletons: dict[str, int] = {}  # constraint key -> tokens closing its empty output
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> pristine matcher, or the ValueError it raised
 
@@ -99,11 +130,36 @@ class GrammarCompiler:
 
     def prepare(self, spec: StructuredOutputsParams) -> None:
         """Compile `spec` into the cache (call it from a worker thread); ValueError naming what is wrong."""
-        self._pristine(spec)
+        pristine = self._pristine(spec)
+        if spec.close_on_length:
+            self._skeleton(spec, pristine)
 
-    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        """A new request's matcher (a copy of the cached, compiled one); ValueError for an invalid constraint."""
-        return Matcher(self._pristine(spec).deep_copy())
+    def matcher(self, spec: StructuredOutputsParams, budget: int | None = None) -> Matcher:
+        """A new request's matcher (a copy of the cached, compiled one); ValueError for an invalid constraint.
+        `budget`: the most tokens the output may have; with `spec.close_on_length` the matcher then closes the
+        structure before they run out."""
+        pristine = self._pristine(spec)
+        if budget is None or not spec.close_on_length:
+            return Matcher(pristine.deep_copy())
+        skeleton = self._skeleton(spec, pristine)
+        assert self._byte_tokens is not None
+        return Matcher(pristine.deep_copy(), LengthGuard(budget, self._byte_tokens, self._eos,
+                                                         horizon=max(HORIZON, 2 * skeleton)))
+
+    def _skeleton(self, spec: StructuredOutputsParams, pristine: Any) -> int:
+        """Tokens closing the constraint's empty output (what its plans start from), found once per constraint
+        (`prepare` does it off the engine thread)."""
+        with self._lock:
+            if self._byte_tokens is None:
+                self._byte_tokens = ByteTokens(self._tokenizer)
+            skeleton = self._skeletons.get(spec.key)
+        if skeleton is None:
+            skeleton = len(closing_tokens(pristine, self._byte_tokens) or ())
+            with self._lock:
+                self._skeletons[spec.key] = skeleton
+                while len(self._skeletons) > CACHE_SIZE:
+                    del self._skeletons[next(iter(self._skeletons))]
+        return skeleton
 
     def _pristine(self, spec: StructuredOutputsParams) -> Any:
         key = spec.key

@@ -198,8 +198,10 @@ class ModelRunner:
             allowed = constrain(logits, grammars, self.eos_token_id, keep_raw,
                                 masks.result() if masks is not None else None)
             sampled = self.sampler(allowed, [r.sampling_params for r in sample_reqs], [r.rng for r in sample_reqs])
-            tokens = sampled.tolist()
-            advance(grammars, tokens)
+            drawn = sampled.tolist()
+            tokens = advance(grammars, drawn)
+            if tokens != drawn:  # a grammar closed its output within its budget (structured/budget.py)
+                sampled = torch.tensor(tokens, dtype=sampled.dtype, device=sampled.device)
             out.sampled.update((r.req_id, tok) for r, tok in zip(sample_reqs, tokens))
             self._logprobs(logits, sampled, sample_reqs, out)
 

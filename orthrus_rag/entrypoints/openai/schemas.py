@@ -53,6 +53,8 @@ class _Sampling(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # close a constrained output as its budget runs out (default on; StructuredOutputsParams.close_on_length)
+    structured_close_on_length: bool | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

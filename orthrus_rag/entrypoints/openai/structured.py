@@ -6,13 +6,17 @@ Accepted, one per request:
   `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`; the schema is enforced
   whether or not `strict` is set (a constrained decoder has no weaker mode);
 - vLLM's `structured_outputs`: `{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`, plus
-  `whitespace_flexible`;
+  `whitespace_flexible` and `close_on_length`;
 - vLLM's older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+
+`structured_close_on_length` (top level, ours) switches `close_on_length` for whichever of them is given: an output
+closed as its token budget runs out (on, the default) or cut where it ends (off).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from orthrus_rag.entrypoints.openai.errors import bad_request
@@ -32,7 +36,7 @@ def constraint_of(req: Any) -> tuple[StructuredOutputsParams | None, str | None]
         if spec is not None:
             given.append(("response_format", spec))
     if req.structured_outputs is not None:
-        allowed = set(STRUCTURED_KINDS) | {"whitespace_flexible"}
+        allowed = set(STRUCTURED_KINDS) | {"whitespace_flexible", "close_on_length"}
         unknown = sorted(set(req.structured_outputs) - allowed)
         if unknown:
             raise bad_request(f"structured_outputs: unknown field(s) {', '.join(unknown)}; expected one of "
@@ -48,9 +52,11 @@ def constraint_of(req: Any) -> tuple[StructuredOutputsParams | None, str | None]
         raise bad_request(f"give one output constraint, not {' and '.join(f for f, _ in given)}", given[1][0])
     field, fields = given[0]
     try:
-        return StructuredOutputsParams(**fields), field
+        spec = StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as exc:
         raise bad_request(f"{field}: {exc}", field) from None
+    close = getattr(req, "structured_close_on_length", None)
+    return (spec if close is None else replace(spec, close_on_length=close)), field
 
 
 def _from_response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
