@@ -25,11 +25,16 @@ struct Part {
 };
 
 constexpr int64_t kRows = 4;   // rows a pass reads each A and B row for (their loads shared by four rows)
+// One register of floats (GCC / clang vector extensions): 16 lanes with AVX-512, 8 with AVX2. The accumulators
+// below stay in registers (10-20% over the plain loops at 32-256 rows); 16-lane values on AVX2 (two registers each)
+// made expand's 16 accumulators and operands overflow its 16 registers: the fp32 kernel ran 0.4x torch's ops.
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 constexpr int64_t kCols = 2 * kLanes;  // output columns a pass keeps in registers, per row
-// 16 floats as one value (GCC / clang vector extensions): one AVX-512 register where the CPU has them, two AVX
-// ones elsewhere; the accumulators below stay in registers (10-20% over the plain loops at 32-256 rows)
-typedef float V16 __attribute__((vector_size(64)));
+typedef float V16 __attribute__((vector_size(kLanes * sizeof(float))));
 inline V16 load16(const float* p) {
   V16 v;
   std::memcpy(&v, p, sizeof v);
