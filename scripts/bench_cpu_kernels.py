@@ -13,7 +13,7 @@ LoRA: one rank-8 adapter on all seven projections of one SmolLM2 layer (Q/K/V an
 (layers/lora_fused.py), each as the extra time over the same projections without adapter rows.
 Sampler: a step's draw at temperature 0.7 over SmolLM2's 49,152 logits, every row seeded (as the benchmarks'
 requests are), at 1, 32 and 64 rows: `torch.multinomial` per row (what the sampler did before session 11), the
-Sampler on torch's ops (fp64 cumsum), and on the C++ kernel (layers/csrc/sampling.py). Prints one JSON line per row.
+Sampler on torch's ops (fp64 cumsum), and on the C++ kernel (layers/csrc/sampling.h). Prints one JSON line per row.
 """
 
 from __future__ import annotations

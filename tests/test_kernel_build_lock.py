@@ -106,10 +106,30 @@ def test_the_loader_runs_only_after_a_young_lock_is_cleared(tmp_path, monkeypatc
     monkeypatch.setattr(cpu_extension, "build_name", lambda: NAME)
     seen: list[bool] = []
 
-    def load_inline(**kwargs):
+    def load(**kwargs):
         seen.append(os.path.exists(lock))
         return "built"
 
-    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(cpp_extension, "load", load)
     assert cpu_extension.kernels.__wrapped__() == "built"  # NOTE: past the lru_cache, which holds the real build
     assert seen == [False]
+
+
+def test_the_build_is_named_by_every_source_files_text(tmp_path, monkeypatch):
+    """torch's loader checks kernels.cpp alone, not the headers it includes: an edited header must build anew."""
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_extension.CSRC, copy)
+    monkeypatch.setattr(cpu_extension, "CSRC", copy)
+    before = cpu_extension.build_name()
+    lora = copy / "lora.h"
+    lora.write_text(lora.read_text() + "\n// edited\n")
+    assert cpu_extension.build_name() != before
+
+
+def test_no_cpp_source_is_kept_inside_a_python_file():
+    """The kernels' C++ lives in layers/csrc/*.h / *.cpp, where editors, linters and the compiler see it."""
+    package = cpu_extension.CSRC.parents[1]
+    offenders = [str(f) for f in package.rglob("*.py") if "#include <torch/extension.h>" in f.read_text()]
+    assert not offenders

@@ -1,4 +1,4 @@
-"""The CPU LoRA kernel (layers/lora_fused.py, csrc/lora.py): against float64 arithmetic, on its rows only, and as
+"""The CPU LoRA kernel (layers/lora_fused.py, csrc/lora.h): against float64 arithmetic, on its rows only, and as
 LoRALinear and the fused projections call it, beside torch's per-slot ops."""
 
 from __future__ import annotations

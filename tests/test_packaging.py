@@ -26,12 +26,17 @@ def test_wheel_is_namespaced_and_finds_its_configs(tmp_path):
     assert {"orthrus_rag/structured/__init__.py", "orthrus_rag/entrypoints/ray/__init__.py",
             "orthrus_rag/adapters/smollm2_embed/adapter_model.safetensors",
             "orthrus_rag/adapters/smollm2_embed/orthrus_embedding.json"} <= set(names)  # model=smollm2_backbone's
+    assert {"orthrus_rag/layers/csrc/kernels.cpp", "orthrus_rag/layers/csrc/lora.h"} <= set(names)  # the CPU kernels'
+    assert not any(n.startswith("orthrus_rag/layers/csrc/") and n.endswith(".py") for n in names)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     code = ("import orthrus_rag; assert orthrus_rag.__file__.startswith(%r), orthrus_rag.__file__\n"
+            "from orthrus_rag.layers import cpu_extension as ext\n"
+            "assert ext.MAIN.is_file() and ext.MAIN.is_relative_to(%r), ext.MAIN\n"
+            "assert {n for n, _ in ext._sources()} >= {'kernels.cpp', 'decode_attention.h', 'layer_loop.h'}\n"
             "from orthrus_rag.entrypoints.cli import main\n"
-            "main(['run', '--cfg', 'job', 'dataset=hotpotqa', 'retriever=hnsw'])" % str(target))
+            "main(['run', '--cfg', 'job', 'dataset=hotpotqa', 'retriever=hnsw'])" % (str(target), str(target)))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": ""},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -114,7 +114,7 @@ def test_unseeded_sampling_varies() -> None:
     assert len(tokens) > 1
 
 
-# The draw: one uniform per row through the inverse CDF, in C++ on the CPU (layers/csrc/sampling.py) or in
+# The draw: one uniform per row through the inverse CDF, in C++ on the CPU (layers/csrc/sampling.h) or in
 # torch's ops; both must pick the same tokens, never a zero-probability one, at any vocabulary size.
 BIG_VOCAB = 49152  # SmolLM2's: 192 blocks of the kernel's 256
 

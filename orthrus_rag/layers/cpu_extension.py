@@ -1,14 +1,16 @@
 """The engine's C++ CPU kernels, built as one torch extension on first use per machine.
 
-Six sources make it up (layers/csrc/), each described by the module that calls it: decode attention over the
-paged cache (attention/cpu_kernels.py), chunked-prefill attention in AVX512-BF16 (attention/cpu_prefill.py),
-the fused elementwise ops of a decoder layer: residual add + RMSNorm, rotary, SiLU-and-mul (cpu_elementwise.py),
-the sampler's draw from each row's probabilities and its greedy argmax (sampler.py), adapter rows' LoRA updates
-(lora_fused.py), and the decoder's layer loop, which calls the others (cpu_layer_loop.py). One build, not six:
-each costs ~30-60 s of compiling on a fresh machine.
+Its C++ sources are the files of layers/csrc/, shipped as package data: one header per kernel family, each
+described by the module that calls it: decode attention over the paged cache (attention/cpu_kernels.py),
+chunked-prefill attention in AVX512-BF16 (attention/cpu_prefill.py), the fused elementwise ops of a decoder layer:
+residual add + RMSNorm, rotary, SiLU-and-mul (cpu_elementwise.py), the sampler's draw from each row's
+probabilities and its greedy argmax (sampler.py), adapter rows' LoRA updates (lora_fused.py), and the decoder's
+layer loop, which calls the others (cpu_layer_loop.py); kernels.cpp includes them all as one translation unit
+and binds the functions Python calls. One build, not six: each costs ~30-60 s of compiling on a fresh machine.
 
 The build is compiled with `-march=native` into torch's extension cache under a name that carries the CPU model,
-the torch version and the sources (`machine_key`), so another CPU or an edited kernel builds anew.
+the torch version, the flags and every source file's text (`machine_key`; torch's own check sees kernels.cpp
+only, not the headers it includes), so another CPU or an edited kernel builds anew.
 `ORTHRUS_CPU_ISA=avx2` builds it for x86-64-v3 instead, under its own name (machine.py): the paths an AVX2-only
 CPU runs, tested on any x86-64 one. It needs a
 C++ compiler and ninja; where the build fails every caller keeps its pure-torch path (SDPA, eager ops).
@@ -21,9 +23,9 @@ import os
 import threading
 import time
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-from orthrus_rag.layers.csrc import decode_attention, elementwise, layer_loop, lora, prefill_attention, sampling
 from orthrus_rag.machine import machine_key, march
 
 logger = logging.getLogger(__name__)
@@ -42,19 +44,17 @@ _LOCK = threading.Lock()
 CFLAGS = ["-O3", "-fopenmp", "-ffast-math", "-mno-recip"]
 
 
-def _sources() -> list[str]:
-    # NOTE: the layer loop calls the kernels before it: it comes last (and LoRA reads elementwise's helpers)
-    return [decode_attention.SOURCE, prefill_attention.SOURCE, elementwise.SOURCE, sampling.SOURCE, lora.SOURCE,
-            layer_loop.SOURCE]
+CSRC = Path(__file__).parent / "csrc"
+MAIN = CSRC / "kernels.cpp"
 
 
-FUNCTIONS = ["decode_attention", "write_kv", "prefill_attention", "prefill_attention_supported", "add_rms_norm",
-             "rotary", "silu_mul", "sample_probs", "sample_logits", "argmax_rows", "lora_add", "lora_bf16_pairs",
-             "layer_loop", "layer_loop_pointwise"]
+def _sources() -> list[tuple[str, str]]:
+    """(name, text) of every C++ file of the extension, in a fixed order."""
+    return [(f.name, f.read_text()) for f in sorted(CSRC.iterdir()) if f.suffix in (".h", ".cpp")]
 
 
 def build_name() -> str:
-    """One build per CPU model, torch version and source: `-march=native` code must not run on another CPU."""
+    """One build per CPU model, torch version, flags and sources: `-march=native` code must not run on another CPU."""
     return f"orthrus_cpu_kernels_{machine_key(*_sources(), *CFLAGS)}"
 
 
@@ -70,10 +70,9 @@ def kernels() -> Any:
             wait_for_build_lock(cpp_extension, name)
             # NOTE: torch's loader reuses a build it finds; only the first use on a machine compiles
             logger.info("loading the CPU kernels (compiled on first use per machine: ~30-60 s)")
-            return cpp_extension.load_inline(
-                name=name, cpp_sources=_sources(), functions=FUNCTIONS,
-                extra_cflags=CFLAGS + [f"-march={march()}"], extra_ldflags=["-fopenmp"],
-                verbose=False)
+            return cpp_extension.load(
+                name=name, sources=[str(MAIN)], extra_include_paths=[str(CSRC)],
+                extra_cflags=CFLAGS + [f"-march={march()}"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # NOTE: no compiler, no ninja, an unusual platform: the torch paths still work
             logger.warning("CPU kernels unavailable (%s: %s); using torch's ops", type(exc).__name__, exc)
             return None

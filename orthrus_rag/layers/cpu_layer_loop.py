@@ -4,7 +4,7 @@ Profiled at batch 1 (SmolLM2 in bf16 on one EPYC core, py-spy), a 17 ms decode s
 and most of the rest in Python between them: 30 layers of module calls, `project` / `split` / `view`, the
 attention backend's dispatch and ten kernel calls through pybind or torch's op packets, ~100-130 us a layer.
 vLLM-CPU pays none of it (torch.compile turns its layers into one graph). This loop calls the same kernels in
-the same order from C++ (csrc/layer_loop.py): the GEMMs through the dispatcher's `mkldnn::_linear_pointwise`
+the same order from C++ (csrc/layer_loop.h): the GEMMs through the dispatcher's `mkldnn::_linear_pointwise`
 (what linear.onednn_linear calls) or `at::linear`, attention through the C++ decode and prefill kernels, the
 fused elementwise ops; so its output is the Python loop's, bit for bit.
 
@@ -26,7 +26,7 @@ from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.lora_fused import LoRAGroup, adapter_generation
 
-_NO_BIAS = torch.empty(0)  # csrc/layer_loop.py reads a zero-element bias as "none"
+_NO_BIAS = torch.empty(0)  # csrc/layer_loop.h reads a zero-element bias as "none"
 _NO_ADAPTERS: tuple[list, list, list] = ([], [], [])
 
 
@@ -41,7 +41,7 @@ def _groups(layer: nn.Module) -> list[LoRAGroup | None]:
 
 
 def _encode(groups: list[LoRAGroup | None], dtype: torch.dtype) -> tuple[tuple[list, list, list], bool]:
-    """The adapters as csrc/layer_loop.py's `Adapters` reads them, and whether the loop may take adapter rows."""
+    """The adapters as csrc/layer_loop.h's `Adapters` reads them, and whether the loop may take adapter rows."""
     ints: list[int] = []
     tensors: list[torch.Tensor] = []
     scales: list[float] = []
@@ -134,6 +134,6 @@ class LayerLoop:
         caches = [c for kv in ctx.kv_caches for c in kv]
         lora_w, lora_ints, lora_scales = self._adapters if ctx.lora_rows else _NO_ADAPTERS
         return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,
-                                    self.packed_w, self.packed_from, self.scale, slot_mapping, chunks, groups, q_all, identity,
-                                    lora_w, lora_ints, lora_scales, [s for s, _ in ctx.lora_rows],
+                                    self.packed_w, self.packed_from, self.scale, slot_mapping, chunks, groups, q_all,
+                                    identity, lora_w, lora_ints, lora_scales, [s for s, _ in ctx.lora_rows],
                                     [r for _, r in ctx.lora_rows])

@@ -1,4 +1,4 @@
-"""LoRA updates on the CPU through one C++ kernel (csrc/lora.py): for one projection and one adapter, both
+"""LoRA updates on the CPU through one C++ kernel (csrc/lora.h): for one projection and one adapter, both
 products and the add over that adapter's rows in one pass.
 
 Why: the torch path (layers/lora.py's `per_slot`) takes two small products, a gather and a scatter-add per adapter

@@ -5,7 +5,7 @@ whose cumulative-probability interval holds u: the inverse CDF, exact in distrib
 this replaced, draws one exponential per vocabulary entry (its Gumbel-max fast path): ~20 ns each on an EPYC
 core, 55 ms a step for 58 rows of SmolLM2's 49,152 tokens, as long as the model's own decode step (BENCHMARKS.md,
 session 11). vLLM's CPU sampler fuses its own noise into one kernel for the same reason. On the CPU the draw is a
-C++ kernel (layers/csrc/sampling.py: block sums, then one block's scan, all in fp64); elsewhere an fp64 cumsum and
+C++ kernel (layers/csrc/sampling.h: block sums, then one block's scan, all in fp64); elsewhere an fp64 cumsum and
 `searchsorted` do the same.
 """
 

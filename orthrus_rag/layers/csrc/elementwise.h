@@ -1,6 +1,5 @@
-"""C++ source of the fused CPU elementwise kernels (its wrapper and notes: layers/cpu_elementwise.py)."""
-
-SOURCE = r"""
+// The fused CPU elementwise kernels (its wrapper and notes: layers/cpu_elementwise.py).
+#pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -151,4 +150,3 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
                                              gate.size(0), gate.size(1));
   return out;
 }
-"""

@@ -1,10 +1,10 @@
-"""C++ source of the decoder's layer loop on the CPU (its wrapper and notes: layers/cpu_layer_loop.py).
-
-It calls the other CPU kernels of the extension (decode and prefill attention, write_kv, the fused elementwise
-ops, the LoRA kernel), so it comes after their sources in the one translation unit that cpu_extension builds.
-"""
-
-SOURCE = r"""
+// The decoder's layer loop on the CPU (its wrapper and notes: layers/cpu_layer_loop.py). It calls the other kernels
+// of the extension: decode and prefill attention, write_kv, the fused elementwise ops, the LoRA kernel.
+#pragma once
+#include "decode_attention.h"
+#include "prefill_attention.h"
+#include "elementwise.h"
+#include "lora.h"
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <optional>
 
@@ -39,7 +39,7 @@ constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], le
 // The adapters of each projection as cpu_layer_loop.py encodes them, read in order: per layer, per projection
 // (Q/K/V, O, gate/up, down), an entry count, then per entry its slot, its part count and the parts' output and A
 // offsets (ints); its A in fp32 and in bf16 (or empty) and each part's B operand (tensors); its scaling. Each
-// entry whose slot has rows in the step adds its update through the kernel Python's layers call (csrc/lora.py).
+// entry whose slot has rows in the step adds its update through the kernel Python's layers call (csrc/lora.h).
 struct Adapters {
   const std::vector<at::Tensor>& w;
   const std::vector<int64_t>& ints;
@@ -89,10 +89,10 @@ bool layer_loop_pointwise() {
 // bit for bit theirs. h: the first layer's normed input [T, N]; residual [T, N], the running sum (updated in
 // place); cos / signed sin [T, D]. Per layer: kWeights tensors (dense weights), two caches, eps (post-attention,
 // next norm) and a window (-1: none); packed_w: the four projections' packed weights per layer (or none), which a
-// step of at least packed_from rows multiplies by instead, as linear.linear does. The attention plan (attention/grouped.py's
-// kernel_plan): the step's slot_mapping, the chunks of the prefill kernel (none, or q_start, q_len, ctx_len,
-// key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in order, so its
-// queries are q itself; identity: the plan's one such group and no chunks, so its output is the layer's).
+// step of at least packed_from rows multiplies by instead, as linear.linear does. The attention plan
+// (attention/grouped.py's kernel_plan): the step's slot_mapping, the chunks of the prefill kernel (none, or q_start,
+// q_len, ctx_len, key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in
+// order, so its queries are q itself; identity: the plan's one such group and no chunks, so its output is the layer's).
 // shape: heads, KV heads, head dim, intermediate size. The adapters (Adapters above: empty where the step has no
 // adapter rows). Returns the last norm's output [T, N].
 torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
@@ -164,4 +164,3 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
   TORCH_CHECK(adapters.consumed(), "layer_loop: adapter arguments left over");
   return h;
 }
-"""

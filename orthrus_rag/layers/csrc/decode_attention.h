@@ -1,6 +1,5 @@
-"""C++ source of the CPU decode-attention kernel (its wrapper and notes: layers/attention/cpu_kernels.py)."""
-
-SOURCE = r"""
+// The CPU decode-attention kernel (its wrapper and notes: layers/attention/cpu_kernels.py).
+#pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -319,4 +318,3 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     }
   });
 }
-"""

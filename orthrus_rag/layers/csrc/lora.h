@@ -1,10 +1,8 @@
-"""C++ source of the CPU LoRA kernel (its wrapper and notes: layers/lora_fused.py).
-
-It reads elementwise's load / store forms of fp32 and bf16, so it comes after that source in the one translation
-unit that cpu_extension builds (and before the layer loop, which calls it).
-"""
-
-SOURCE = r"""
+// The CPU LoRA kernel (its wrapper and notes: layers/lora_fused.py). It reads elementwise.h's load / store forms of
+// fp32 and bf16 and, in its AVX512-BF16 path, decode_attention.h's lane masks; the layer loop calls it.
+#pragma once
+#include "elementwise.h"
+#include "decode_attention.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -60,7 +58,7 @@ inline void expand_pairs(uint16_t* y, int64_t ys, const int64_t* rows, int64_t f
                  (static_cast<uint32_t>(elementwise::BF16::store(h[r * R + p.col_start + 2 * c + 1])) << 16);
   for (int64_t j0 = 0; j0 < p.out; j0 += kCols) {
     const int64_t w = std::min(kCols, p.out - j0);
-    // NOTE: decode_fast::first (csrc/decode_attention.py, earlier in the unit): the first m of 16 lanes
+    // NOTE: decode_fast::first (decode_attention.h): the first m of 16 lanes
     const __mmask16 m0 = decode_fast::first(w), m1 = decode_fast::first(std::max<int64_t>(w - 16, 0));
     __m512 lo[kRows], hi[kRows];
     for (int64_t r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
@@ -278,4 +276,3 @@ void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor rows, torch::Tenso
   lora_detail::apply(x, y, rows, a, a16, bts.data(), out_starts.data(), col_starts.data(),
                      static_cast<int64_t>(bts.size()), scale);
 }
-"""

@@ -1,6 +1,5 @@
-"""C++ source of the CPU sampler's draw (its wrapper and notes: layers/sampler.py, `inverse_cdf`)."""
-
-SOURCE = r"""
+// The CPU sampler's draw (its wrapper and notes: layers/sampler.py, `inverse_cdf`).
+#pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -165,4 +164,3 @@ torch::Tensor sample_logits(const torch::Tensor& logits, const torch::Tensor& in
                               return sampling::draw_logits_row(x, n, t[r], ur, sums);
                             });
 }
-"""

@@ -1,6 +1,5 @@
-"""C++ source of the CPU chunked-prefill attention kernel (its wrapper and notes: layers/attention/cpu_prefill.py)."""
-
-SOURCE = r"""
+// The CPU chunked-prefill attention kernel (its wrapper and notes: layers/attention/cpu_prefill.py).
+#pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -138,7 +137,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     std::vector<uint32_t> pbuf(RB * Lmax / 2);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t sh = order[it] >> 32, r0 = order[it] & 0xffffffff, s = sh / KVH, h = sh % KVH;
-      const int64_t n = ql[s], c = cl[s], L = c + n, Lp = padded[s], rows = n * G;
+      const int64_t n = ql[s], c = cl[s], Lp = padded[s], rows = n * G;
       const uint32_t* kd = kpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
       const uint32_t* vd = vpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
       int64_t lim[RB], lo[RB];
@@ -214,4 +213,3 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(false, "prefill_attention: built without AVX512-BF16");
 #endif
 }
-"""
