@@ -9,33 +9,15 @@ import json
 
 import openai
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
 
 from orthrus_rag import SamplingParams
 from orthrus_rag.params import StructuredOutputsParams
 from tests.conftest import SMOL
 from tests.test_deployments import dedicated, disagg  # noqa: F401 (the module's deployments, as fixtures)
 from tests.test_ray_serve import ray_serve  # noqa: F401 (a local Ray, two replicas)
+from tests.test_structured_outputs import City, Portrait  # the schemas, one owner
 
 pytestmark = pytest.mark.slow  # starts worker processes and Ray
-
-
-class City(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(max_length=20)
-    country: str = Field(max_length=20)
-
-
-class Town(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    country: str
-
-
-class Portrait(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    city: Town
-    summary: str
 
 
 def _chat(tokenizer, text: str) -> str:
