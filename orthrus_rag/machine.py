@@ -115,3 +115,25 @@ def remembered(path: Path, key: str, compute: Callable[[], str]) -> str:
     except OSError as exc:  # NOTE: a read-only home still runs, it just measures again next time
         logger.warning("could not remember %s in %s: %s", key, path, exc)
     return value
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP thread pool (`omp_pause_resource_all(omp_pause_hard)` of the OpenMP runtime
+    torch runs on); False where that runtime or the call is missing. Its next parallel op builds a new one.
+
+    Why: GNU OpenMP keeps one pool per thread that ever ran a parallel op, and once the pools' threads outnumber
+    the CPUs it switches every pool to a short spin (100 rounds) before sleeping, so each of a step's many small
+    parallel ops waits on a futex wake-up. An engine loaded on one thread (its pool stays, idle) and stepped on
+    another (the asyncio engine's) ran 15-20% slower on 2 cores for that alone (BENCHMARKS.md, session 15)."""
+    import ctypes
+    import glob
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "lib*omp*.so*")))
+    for path in [*paths, None]:
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        return pause(2) == 0  # NOTE: 2 is omp_pause_hard: the pool's threads exit
+    return False

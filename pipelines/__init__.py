@@ -3,7 +3,7 @@
 from orthrus_rag.pipelines.answers import extract_answer, is_yes_no_question, parse_answer
 from orthrus_rag.pipelines.evaluate import RunScores, format_table, summarize
 from orthrus_rag.pipelines.iter_retgen import PIPELINES, IterRetGen, default_concurrency
-from orthrus_rag.pipelines.metrics import (accuracy, answer_scores, exact_match, f1_score, normalize_answer,
+from orthrus_rag.pipelines.evaluate import (accuracy, answer_scores, exact_match, f1_score, normalize_answer,
                                            recall_at_k)
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
 

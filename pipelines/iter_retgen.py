@@ -14,24 +14,20 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from orthrus_rag.data.types import Passage, QAExample
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
-from orthrus_rag.pipelines.answer_formats import final_constraint, parse_final
-from orthrus_rag.pipelines.metrics import answer_scores, recall_at_k
+from orthrus_rag.pipelines.answers import final_constraint, parse_final
+from orthrus_rag.pipelines.evaluate import answer_scores, recall_at_k
 from orthrus_rag.pipelines.prompts import build_prompt
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
+from orthrus_rag.retrievers.dense import DenseRetriever
 
 logger = logging.getLogger(__name__)
 PIPELINES = ("iter_retgen", "standard_rag", "no_retrieval")
 REQUESTS_PER_QUESTION = 1  # a question waits on one query embedding or one generation at a time
-
-
-class AsyncRetriever(Protocol):
-    async def asearch(self, query: str, k: int = 5) -> list[tuple[Passage, float]]: ...
-
 
 
 def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> int:
@@ -47,17 +43,30 @@ def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> 
 
 def _is_fatal(exc: BaseException) -> bool:
     """The serving system is gone (shut down, a dead worker): stop the run rather than fail every question."""
-    from orthrus_rag.engine.async_engine import EngineShutdown
-    from orthrus_rag.engine.clients.deployment_client import ClientFailed
+    from orthrus_rag.engine.clients.protocol import ClientFailed, EngineShutdown
 
     return isinstance(exc, (EngineShutdown, ClientFailed))
 
 
 def _is_retryable(exc: BaseException) -> bool:
     """The question failed for the serving system's reason (the replica holding it died), not its own."""
-    from orthrus_rag.engine.async_engine import EngineUnavailable
+    from orthrus_rag.engine.clients.protocol import EngineUnavailable
 
     return isinstance(exc, EngineUnavailable)
+
+
+def check_settings(iterations: int = 1, k: int = 1, max_concurrency: int | None = None,
+                   question_timeout_s: float | None = None) -> None:
+    """The rules of Iter-RetGen's settings (the CLI's `validate` asks them here too, before anything loads)."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be at least 1, got {iterations}")
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be at least 1 (or null: sized from the serving system), "
+                         f"got {max_concurrency}")
+    if question_timeout_s is not None and question_timeout_s <= 0:
+        raise ValueError(f"question_timeout_s must be positive (or null: no limit), got {question_timeout_s}")
 
 
 class IterRetGen:
@@ -66,20 +75,13 @@ class IterRetGen:
     `max_concurrency`: questions in flight (None: sized from the engine, see `default_concurrency`);
     `question_timeout_s`: a question still unanswered this long after it started is recorded as failed and its
     requests are aborted (None: no limit); `answer_format`: free | constrained | json, how the final iteration
-    writes its answer (answer_formats.py)."""
+    writes its answer (answers.py)."""
 
-    def __init__(self, client: EngineClient, retriever: AsyncRetriever | None, iterations: int = 2, k: int = 5,
+    def __init__(self, client: EngineClient, retriever: DenseRetriever | None, iterations: int = 2, k: int = 5,
                  sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
                  question_timeout_s: float | None = None, answer_format: str = "free") -> None:
-        if iterations < 1:
-            raise ValueError(f"iterations must be at least 1, got {iterations}")
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
-        if max_concurrency is not None and max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
-        if question_timeout_s is not None and question_timeout_s <= 0:
-            raise ValueError(f"question_timeout_s must be positive, got {question_timeout_s}")
+        check_settings(iterations, k, max_concurrency, question_timeout_s)
         self.client = client  # NOTE: only its `generate` and `max_in_flight` are used (LangChain passes a chat model's)
         self.retriever = retriever
         self.iterations = iterations if retriever is not None else 1
@@ -90,7 +92,7 @@ class IterRetGen:
         self.max_concurrency = max_concurrency or default_concurrency(capacity)
         self.recall_ks = recall_ks
         self.question_timeout_s = question_timeout_s
-        # the final iteration's generation under the answer format's constraint (answer_formats.py)
+        # the final iteration's generation under the answer format's constraint (answers.py)
         self.answer_format = answer_format
         constraint = final_constraint(answer_format, self.sampling_params.max_tokens)
         self.final_params = (self.sampling_params if constraint is None

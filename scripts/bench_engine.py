@@ -44,7 +44,7 @@ from vllm_core_bench import (  # noqa: E402 (scripts/peers/: stdlib only on this
 )
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams  # noqa: E402
-from orthrus_rag.engine.options import parse_option  # noqa: E402
+from orthrus_rag.config.build import parse_option  # noqa: E402
 from orthrus_rag.models.registry import resolve_model_path  # noqa: E402
 
 

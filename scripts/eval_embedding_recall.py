@@ -32,7 +32,7 @@ import numpy as np
 
 from orthrus_rag import Engine, PoolingParams
 from orthrus_rag.data.loaders import build_corpus, load_qa
-from orthrus_rag.pipelines.metrics import recall_at_k
+from orthrus_rag.pipelines.evaluate import recall_at_k
 
 logger = logging.getLogger("eval_embedding_recall")
 PROMPTEOL = 'This sentence : "{}" means in one word:"'

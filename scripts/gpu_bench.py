@@ -360,7 +360,7 @@ def dedicated(args: argparse.Namespace, dev: torch.device, hf: LlamaForCausalLM,
     import tempfile
 
     from orthrus_rag.engine.deploy import DedicatedDeployment
-    from orthrus_rag.engine.options import engine_config
+    from orthrus_rag.config.build import engine_config
 
     with tempfile.TemporaryDirectory(prefix="gpu_bench_model_") as folder:
         hf.save_pretrained(folder)

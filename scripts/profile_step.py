@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams  # noqa: E402
-from orthrus_rag.engine.options import parse_option  # noqa: E402
+from orthrus_rag.config.build import parse_option  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::bmm")
 

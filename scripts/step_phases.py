@@ -22,7 +22,7 @@ from orthrus_rag import Engine, SamplingParams
 from orthrus_rag.engine.core import scheduler as scheduler_module
 from orthrus_rag.engine.engine import Engine as EngineClass
 from orthrus_rag.engine.executor import runner as runner_module
-from orthrus_rag.engine.options import parse_option
+from orthrus_rag.config.build import parse_option
 from orthrus_rag.layers.attention import grouped
 
 TOTALS: collections.Counter = collections.Counter()

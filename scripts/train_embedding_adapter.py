@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from orthrus_rag.data.synthetic import make_synthetic
 from orthrus_rag.embedding_formats import ADAPTER_CARD
-from orthrus_rag.engine.input_processor import InputProcessor
+from orthrus_rag.engine.text_io import InputProcessor
 from orthrus_rag.models.registry import resolve_model_path
 from orthrus_rag.params import PoolingParams
 

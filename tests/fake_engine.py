@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from orthrus_rag.engine.routing import EmbeddingSpace
-from orthrus_rag.engine.stats import StepStats
+from orthrus_rag.outputs import StepStats
 from orthrus_rag.outputs import GenerationOutput
 
 
@@ -52,9 +52,10 @@ def _question(prompt: str) -> str:
 
 
 class FakeEngine:
-    def __init__(self, steps_per_request: int = 2, max_num_seqs: int = 64, policy: str = "orthrus") -> None:
+    def __init__(self, steps_per_request: int = 2, max_num_seqs: int = 64, policy: str = "orthrus",
+                 num_threads: int | None = None) -> None:
         self.steps_per_request, self.max_num_seqs = steps_per_request, max_num_seqs
-        self.config = SimpleNamespace(scheduler=SimpleNamespace(policy=policy))
+        self.config = SimpleNamespace(scheduler=SimpleNamespace(policy=policy), num_threads=num_threads)
         self.embedding_space = EmbeddingSpace("fake")
         self.tokenizer = SimpleNamespace(chat_template=None)
         self.encoder_pooling: dict = {}

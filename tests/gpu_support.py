@@ -75,7 +75,7 @@ def hf_model(folder: Path, dtype: torch.dtype) -> LlamaForCausalLM:
 def engine(folder: Path, **options: object):
     """An engine on DEVICE built as users build one; `options` override EngineConfig fields by name."""
     from orthrus_rag import Engine
-    from orthrus_rag.engine.options import engine_config
+    from orthrus_rag.config.build import engine_config
 
     options.setdefault("kv_cache_gib", 2.0 if ON_CUDA else 0.1)
     return Engine.from_config(engine_config(str(folder), device=str(DEVICE), **options))

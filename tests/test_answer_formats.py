@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orthrus_rag.pipelines.answer_formats import (ANSWER_TOKENS, CHARS_PER_TOKEN, check_answer_format,
+from orthrus_rag.pipelines.answers import (ANSWER_TOKENS, CHARS_PER_TOKEN, check_answer_format,
                                                   final_constraint, parse_final)
 
 

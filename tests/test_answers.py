@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orthrus_rag.pipelines.answers import extract_answer, is_yes_no_question, parse_answer
-from orthrus_rag.pipelines.metrics import accuracy, answer_scores, normalize_answer
+from orthrus_rag.pipelines.evaluate import accuracy, answer_scores, normalize_answer
 
 SAME_PLACE = "Are the Laleli Mosque and Esma Sultan Mansion located in the same neighborhood?"
 NATIONALITY = ("Do director of film Coolie No. 1 (1995 Film) and director of film The Sensational Trial have the same "

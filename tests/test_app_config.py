@@ -11,8 +11,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from orthrus_rag.entrypoints import commands as app
-from orthrus_rag.app_config import (OLD_KEYS, DeployConf, config_diff, engine_config_from, register_configs,
-                                    resumed_config, upgrade_saved, validate)
+from orthrus_rag.config.app import DeployConf, register_configs
+from orthrus_rag.config.build import engine_config_from
+from orthrus_rag.entrypoints.checks import validate
+from orthrus_rag.config.saved import OLD_KEYS, config_diff, resumed_config, upgrade_saved
 from orthrus_rag.config import CacheConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.engine.core.policies import POLICIES
 
@@ -93,7 +95,7 @@ def test_the_engine_nodes_are_the_engine_classes():
 
 @pytest.mark.parametrize("node", sorted(ENGINE_CLASSES))
 def test_every_engine_field_is_a_cli_key_that_reaches_the_engine(node):
-    """A field added to the engine's dataclass is a CLI key by its own name with no edit in app_config: the
+    """A field added to the engine's dataclass is a CLI key by its own name with no edit in orthrus_rag/config/: the
     node's keys are the class's fields, and an override of one lands in the EngineConfig built from it."""
     cls = ENGINE_CLASSES[node]
     assert list(_compose()[node]) == [f.name for f in dataclasses.fields(cls)]

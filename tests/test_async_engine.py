@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from orthrus_rag import SamplingParams
-from orthrus_rag.engine.async_engine import AsyncEngine, EngineQueueFull, EngineShutdown, RequestAborted
+from orthrus_rag.engine.async_engine import AsyncEngine
+from orthrus_rag.engine.clients.protocol import EngineQueueFull, EngineShutdown, RequestAborted
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
@@ -203,3 +204,25 @@ def test_shutdown_fails_pending_and_leaves_no_thread(engine):
         assert aeng.num_in_flight == 0 and not await aeng.abort("anything")
 
     asyncio.run(main())
+
+
+def test_the_engine_thread_runs_with_the_engines_thread_count_and_frees_the_callers_pool():
+    """OpenMP's thread count is per thread: the engine thread takes the engine's (not the runtime's default), and
+    the thread that built the engine gives up its OpenMP pool when the engine thread starts (machine.py: two pools
+    on few cores throttle each other)."""
+    from orthrus_rag.machine import release_openmp_pool
+    from tests.fake_engine import FakeEngine
+
+    torch.ones(1 << 16).add_(1)  # NOTE: a parallel op: this thread has a pool now
+    assert release_openmp_pool() is True  # torch's OpenMP runtime is found and the call is taken
+    seen = []
+    aeng = AsyncEngine(FakeEngine(num_threads=1))
+    aeng.observe_steps(lambda _: seen.append(torch.get_num_threads()))
+
+    async def main():
+        async with aeng:
+            return await aeng.generate("Question: What is item 1?\n")
+
+    before = torch.get_num_threads()
+    assert asyncio.run(main()).finished
+    assert seen and set(seen) == {1} and torch.get_num_threads() == before  # the caller's count is its own

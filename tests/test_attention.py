@@ -258,6 +258,7 @@ def test_the_runner_chooses_by_its_models_dtype_and_head_size(monkeypatch):
     """The runner hands the cache dtype and the model's head size to the choice (fp32 on CUDA -> grouped)."""
     from transformers import LlamaConfig
 
+    from orthrus_rag.config.build import engine_config
     from orthrus_rag.engine.executor import runner as runner_module
     from orthrus_rag.models.llama import CausalLM
 
@@ -270,5 +271,7 @@ def test_the_runner_chooses_by_its_models_dtype_and_head_size(monkeypatch):
     monkeypatch.setattr(runner_module, "select_backend", spy)
     cfg = LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=32)
-    runner_module.ModelRunner(CausalLM(cfg), 4, 4, torch.device("cpu"), torch.bfloat16, max_num_batched_tokens=8)
+    config = engine_config(block_size=4, max_num_batched_tokens=8, cuda_graphs=False, cpu_decode_kernel=False,
+                           cpu_prefill_kernel=False, cpu_sample_kernel=False)
+    runner_module.ModelRunner(CausalLM(cfg), config, 4, torch.bfloat16)
     assert seen == [("auto", "cpu", torch.bfloat16, 24)]

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast s
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "scripts" / "bench" / "conf"
-TINY = ["model=smollm2-135m-instruct", "workload.words=8", "workload.max_tokens=4", "engine.max_num_batched_tokens=64",
-        "engine.max_chunk_tokens=32", "engine.num_blocks=256", "threads.inproc=1", "threads.split=[1,1]"]
+TINY = ["model.name=smollm2-135m-instruct", "workload.words=8", "workload.max_tokens=4",
+        "scheduler.max_num_batched_tokens=64", "scheduler.max_chunk_tokens=32", "cache.num_blocks=256",
+        "threads.inproc=1", "threads.split=[1,1]"]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def test_an_experiment_overrides_the_shared_settings_and_the_command_line_overri
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         fcfs = compose("bench", overrides=["experiment=fcfs_blocking"])
         chunks = compose("bench", overrides=["experiment=chunk_equivalence", "peers=[hf]"])
-    assert fcfs.engine.max_num_seqs == 32 and fcfs.workload.spread == 0.0  # the experiment's, not bench.yaml's
-    assert fcfs.engine.max_num_batched_tokens == 256  # what it does not set stays shared
+    assert fcfs.scheduler.max_num_seqs == 32 and fcfs.workload.spread == 0.0  # the experiment's, not bench.yaml's
+    assert fcfs.scheduler.max_num_batched_tokens == 256  # what it does not set stays shared
     assert list(chunks.systems) == []  # the experiment's
     assert list(chunks.peers) == ["hf"]  # the command line's
 
@@ -86,7 +87,7 @@ def test_three_phase_accounts_for_every_phase(bench_script, tmp_path):
 def test_fcfs_blocking_serves_the_whole_burst(bench_script, tmp_path):
     cfg = compose_bench("fcfs_blocking", tmp_path, "systems=[hetero-fcfs,orthrus]", "peers=[]",
                         "experiment.num_generate=6", "experiment.num_embed=6", "experiment.long_max_tokens=8",
-                        "engine.max_num_seqs=4", "baseline=hetero-fcfs")
+                        "scheduler.max_num_seqs=4", "baseline=hetero-fcfs")
     bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     for r in res["rows"]:
@@ -161,11 +162,11 @@ def test_iter_retgen_commands_compose_as_app_configs(bench_script, tmp_path):
     compose and validate in the app's schema (no model is loaded here)."""
     from bench.experiments.iter_retgen import system_command
 
-    from orthrus_rag.app_config import validate
+    from orthrus_rag.entrypoints.checks import validate
     from tests.test_app_config import _compose
 
     cfg = compose_bench("iter_retgen", tmp_path, "experiment.dataset_path=null", "experiment.app_experiment=smoke",
-                        "engine.max_num_seqs=12")
+                        "scheduler.max_num_seqs=12")
     got = {}
     for system in ("orthrus", "hetero-fcfs", "dedicated", "disagg-pd"):
         cmd = system_command(cfg, system, tmp_path / system)

@@ -1,55 +1,75 @@
 """The benchmark harness measures what a client serves: drivers count completions per kind within the window,
-keep at most C in flight, submit open-loop requests on schedule, and reports come out of the results; the
-in-process client serves real requests through one engine."""
+keep at most C in flight, send open-loop requests on schedule, and reports come out of the results; an in-process
+engine serves real requests through them, its steps logged."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import asyncio
 
 import pytest
 import torch
 
-from orthrus_rag.engine.clients import InProcessClient, ServingClient
+from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 from scripts.bench.driver import closed_loop, open_loop, summarize
 from scripts.bench.report import markdown_table, plot_latency_cdf, plot_step_mix, plot_throughput, write_json
-from scripts.bench.workloads import Workload, fcfs_blocking, mixed_stream, poisson, three_phase
+from scripts.bench.workloads import RequestSpec, Workload, fcfs_blocking, mixed_stream, poisson, three_phase
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
 
 class FakeClient:
-    """Finishes an embedding after 2 polls and a generation after 4; tracks the most requests in flight."""
+    """The driver's side of an `EngineClient`: an embedding takes 2 ticks and a generation 4 (a tick is 2 ms); a
+    text starting with "fail" raises. Tracks the most requests in flight."""
+
+    name, tokenizer = "fake", None
 
     def __init__(self) -> None:
-        self.inflight: dict[str, list] = {}
+        self.inflight: set[str] = set()
         self.max_inflight = 0
-        self.step_log: list = []
 
-    def submit(self, kind: str, request_id: str, input: str | Sequence[int], params: object) -> None:
-        self.inflight[request_id] = [kind, 2 if kind == "embed" else 4]
+    def observe_steps(self, observer: object) -> None:
+        return None
+
+    async def _serve(self, rid: str, text: str, ticks: int, out: object) -> object:
+        self.inflight.add(rid)
         self.max_inflight = max(self.max_inflight, len(self.inflight))
+        try:
+            await asyncio.sleep(0.002 * ticks)
+            if text.startswith("fail"):
+                raise RuntimeError(f"{rid} failed")
+            return out
+        finally:
+            self.inflight.discard(rid)
 
-    def poll(self, timeout_s: float) -> list:
-        time.sleep(0.002)
-        out = []
-        for rid, entry in list(self.inflight.items()):
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.inflight[rid]
-                out.append(EmbeddingOutput(rid, [], None) if entry[0] == "embed"  # type: ignore[arg-type]
-                           else GenerationOutput(rid, [], [1, 2], "ab", "length"))
-        return out
+    async def embed(self, text: str, params: object = None, request_id: str | None = None) -> object:
+        return await self._serve(request_id, text, 2, EmbeddingOutput(request_id, [], None))  # type: ignore[arg-type]
 
-    def shutdown(self) -> None:
+    async def generate(self, prompt: str, params: object = None, request_id: str | None = None) -> object:
+        return await self._serve(request_id, prompt, 4, GenerationOutput(request_id, [], [1, 2], "ab", "length"))
+
+    async def aclose(self) -> None:
         pass
 
 
-def test_fake_client_is_a_serving_client():
-    client: ServingClient = FakeClient()
-    assert callable(client.poll)
+def test_a_failed_request_is_recorded_and_the_run_goes_on():
+    reqs = [RequestSpec("embed", "e0", "fail here", PoolingParams(), arrival_s=0.0),
+            RequestSpec("generate", "g0", "fine", SamplingParams(), arrival_s=0.001)]
+    res = asyncio.run(open_loop(FakeClient(), reqs))
+    failed, ok = res.records
+    assert failed.error == "RuntimeError: e0 failed" and failed.finish_s is not None
+    assert ok.error is None and ok.num_output_tokens == 2
+    assert summarize(res)["kinds"]["embed"]["errors"] == 1
+    with pytest.raises(ValueError, match="'classify' is not a valid RequestKind"):
+        asyncio.run(open_loop(FakeClient(), [RequestSpec("classify", "x", "hi", PoolingParams())]))
+
+
+def test_what_is_unfinished_at_the_limit_is_cancelled_and_counted():
+    client = FakeClient()
+    slow = [RequestSpec("generate", f"g{i}", "x", SamplingParams(), arrival_s=0.0) for i in range(3)]
+    res = asyncio.run(open_loop(client, slow, drain_timeout_s=0.003))  # a generation takes 8 ms
+    assert summarize(res)["unfinished"] == 3 and not client.inflight  # cancelled, not left running
 
 
 def test_workloads_are_deterministic_and_mixed():
@@ -70,19 +90,19 @@ def test_workloads_are_deterministic_and_mixed():
 
 def test_closed_loop_counts_per_kind_and_bounds_concurrency():
     client = FakeClient()
-    res = closed_loop(client, mixed_stream(0.5, Workload(seed=1)), concurrency=4, max_requests=40)
+    res = asyncio.run(closed_loop(client, mixed_stream(0.5, Workload(seed=1)), concurrency=4, max_requests=40))
     assert client.max_inflight == 4 and len(res.records) == 40 and not client.inflight
     s = summarize(res)
     kinds = s["kinds"]
     assert kinds["embed"]["completed"] + kinds["generate"]["completed"] == 40 and s["unfinished"] == 0
-    assert kinds["generate"]["p50_s"] > kinds["embed"]["p50_s"] > 0  # 4 polls vs 2
-    timed = closed_loop(FakeClient(), mixed_stream(0.5, Workload()), concurrency=2, duration_s=0.2)
+    assert kinds["generate"]["p50_s"] > kinds["embed"]["p50_s"] > 0  # 4 ticks vs 2
+    timed = asyncio.run(closed_loop(FakeClient(), mixed_stream(0.5, Workload()), concurrency=2, duration_s=0.2))
     assert timed.window_s == 0.2 and summarize(timed)["kinds"]["embed"]["throughput_rps"] > 0
 
 
 def test_open_loop_submits_on_schedule():
     reqs = poisson(200.0, 30, 0.5, Workload(seed=2))
-    res = open_loop(FakeClient(), reqs)
+    res = asyncio.run(open_loop(FakeClient(), reqs))
     assert all(r.finish_s is not None and r.finish_s >= r.start_s for r in res.records)
     assert [r.start_s for r in res.records] == [r.arrival_s for r in reqs]
 
@@ -92,7 +112,8 @@ def test_report_writes_table_json_and_plots(tmp_path):
     for group in ("9:1", "1:9"):
         runs[group] = {}
         for system in ("orthrus", "dedicated"):
-            res = closed_loop(FakeClient(), mixed_stream(0.5, Workload()), concurrency=3, max_requests=12)
+            res = asyncio.run(closed_loop(FakeClient(), mixed_stream(0.5, Workload()), concurrency=3,
+                                          max_requests=12))
             res.steps = [{"t": 0.1 * i, "embed": 8, "prefill": 4, "decode": 2, "encoder": 0, "step_time": 0.1}
                          for i in range(20)] if system == "orthrus" else []
             rows.append({"system": system, "group": group, **summarize(res)})
@@ -115,25 +136,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_in_process_client_serves_both_kinds(engine, one_thread):
-    client = InProcessClient(engine)
-    gen = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for i in range(2):
-        client.submit("generate", f"g{i}", f"Count to three, take {i}:", gen)
-        client.submit("embed", f"e{i}", f"a short passage number {i}", PoolingParams())
-    with pytest.raises(ValueError):
-        client.submit("classify", "x", "hi", None)  # type: ignore[arg-type]
-    outs: dict = {}
-    for _ in range(50):
-        outs.update((o.request_id, o) for o in client.poll(0.01))
-        if len(outs) == 4:
-            break
-    assert sorted(outs) == ["e0", "e1", "g0", "g1"]
-    assert all(len(outs[f"g{i}"].token_ids) == 3 for i in range(2))
-    assert all(outs[f"e{i}"].embedding.ndim == 1 for i in range(2))
-    assert client.step_log and client.poll(0.0) == []  # idle: nothing to step
-    res = closed_loop(client, mixed_stream(0.5, Workload(words=4, max_tokens=2)), concurrency=2, max_requests=4)
-    assert summarize(res)["unfinished"] == 0 and len(res.steps) > 0
+def test_an_in_process_engine_serves_the_drivers_and_its_steps_are_logged(engine, one_thread):
+    async def main():
+        client = AsyncEngine(engine)
+        try:
+            return await closed_loop(client, mixed_stream(0.5, Workload(words=4, max_tokens=3), prefix="m"),
+                                     concurrency=2, max_requests=6)
+        finally:
+            await client.aclose()
+
+    res = asyncio.run(main())
+    assert summarize(res)["unfinished"] == 0 and all(r.error is None for r in res.records)
+    kinds = {r.kind for r in res.records}
+    assert kinds == {"embed", "generate"}, kinds
+    assert all(r.num_output_tokens == 3 for r in res.records if r.kind == "generate")
+    assert res.steps and sum(s["embed"] for s in res.steps) > 0 and sum(s["decode"] for s in res.steps) > 0
 
 
 def test_peer_requests_carry_instruction_truncation_and_vectors_back():

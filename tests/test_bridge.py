@@ -1,8 +1,9 @@
-"""DeploymentClient (an EngineClient over any ServingClient) and the Embedder over it: errors kept per request."""
+"""DeploymentClient (an EngineClient over a submit/poll system) and the Embedder over it: errors kept per request."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
@@ -13,10 +14,12 @@ import torch
 
 from orthrus_rag import PoolingParams, SamplingParams
 from orthrus_rag.data.types import QAExample
-from orthrus_rag.engine.clients import DeploymentClient, ClientFailed, InProcessClient, RequestFailed
+from orthrus_rag.engine.clients import ClientFailed, DeploymentClient, RequestFailed
+from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.deploy import WorkerError
+from orthrus_rag.engine.engine import EngineLoop, StepFailed
 from orthrus_rag.pipelines import IterRetGen
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, error_output
 from orthrus_rag.retrievers import EngineEmbedder
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
@@ -25,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 class FakeClient:
-    """A ServingClient that finishes each request `delay` polls after its submit; inputs steer failures:
+    """A submit/poll system that finishes each request `delay` polls after its submit; inputs steer failures:
     "bad" is refused at submit, "reject" is rejected by poll (WorkerError naming it), "error" finishes with an
     error, "crash" makes the next poll fail as a whole, "never" never finishes."""
 
@@ -171,11 +174,45 @@ def test_max_in_flight_holds_the_rest_in_the_bridge() -> None:
 
 
 # ---- over the real engine ----------------------------------------------------------------------------------------
+class SteppedEngine:
+    """A submit/poll system over one engine, stepped in the polling thread (a deployment's worker, in process)."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.loop, self.done = EngineLoop(engine), []
+
+    def submit(self, kind, request_id, input, params):  # noqa: ANN001
+        self.loop.add(RequestKind(kind), request_id, input, params, _Finished(self.done, kind, request_id))
+
+    def poll(self, timeout_s):  # noqa: ANN001
+        if self.loop.has_work:
+            with contextlib.suppress(StepFailed):  # its requests come back as error outputs
+                self.loop.run_step()
+        else:
+            time.sleep(timeout_s)
+        done, self.done[:] = list(self.done), []
+        return done
+
+    def shutdown(self) -> None:
+        self.loop.fail_all(RuntimeError("shut down"))
+
+
+class _Finished:
+    def __init__(self, done: list, kind: str, request_id: str) -> None:
+        self.done, self.kind, self.request_id = done, kind, request_id
+
+    def put(self, output) -> None:  # noqa: ANN001
+        if output.finished:
+            self.done.append(output)
+
+    def fail(self, exc: BaseException) -> None:
+        self.done.append(error_output(self.kind, self.request_id, f"{type(exc).__name__}: {exc}"))
+
+
 def test_bridge_over_the_engine_matches_engine_run(engine) -> None:
     prompts = ["The capital of France is", "One, two, three,"]
     texts = ["rivers and mountains", "a short note"]
     want_gen, want_emb = engine.run(prompts, GREEDY, texts, PoolingParams())
-    bridge = DeploymentClient(InProcessClient(engine))
+    bridge = DeploymentClient(SteppedEngine(engine))
     try:
         async def main():
             return await asyncio.gather(*(bridge.generate(p, GREEDY) for p in prompts), bridge.embed_many(texts))
@@ -193,7 +230,7 @@ def test_the_embedder_over_a_deployment_matches_it_in_process(engine) -> None:
     docs = ["Paris is the capital of France.", "The Nile flows north."]
     doc, query = PoolingParams(), PoolingParams(instruction="query: ")
     reference = EngineEmbedder(engine, document_params=doc, query_params=query)
-    bridge = DeploymentClient(InProcessClient(engine), embedding_space=engine.embedding_space)
+    bridge = DeploymentClient(SteppedEngine(engine), embedding_space=engine.embedding_space)
     try:
         embedder = EngineEmbedder(bridge, document_params=doc, query_params=query)
         # NOTE: the same identity, so an index built in-process serves a deployment of the same engine
@@ -219,7 +256,7 @@ def test_a_deployment_client_embeds_like_the_engine_on_a_separate_encoder() -> N
     doc = PoolingParams(**pooling, truncate=True)
     query = PoolingParams(**pooling, instruction="query: ", truncate=True)
     # NOTE: what `start_deployment` knows of its workers: the config's names, not the loaded engine
-    bridge = DeploymentClient(InProcessClient(engine), tokenizer=engine.tokenizer,
+    bridge = DeploymentClient(SteppedEngine(engine), tokenizer=engine.tokenizer,
                               embedding_space=EmbeddingSpace(SMOL, MINILM, encoder_pooling=encoder_pooling_of(MINILM)))
     try:
         a, b = EngineEmbedder(local, doc, query), EngineEmbedder(bridge, doc, query)

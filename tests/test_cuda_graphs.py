@@ -1,4 +1,4 @@
-"""Decode steps through CUDA-graph buckets (engine/cuda_graphs.py), run eagerly on the CPU: padding the batch
+"""Decode steps through CUDA-graph buckets (engine/executor/cuda_graphs.py), run eagerly on the CPU: padding the batch
 and every sequence's keys to a bucket, scratch rows for padding, masks and sliding windows give the same tokens
 as the ordinary path. Only capture and replay themselves need a GPU."""
 

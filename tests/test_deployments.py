@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from orthrus_rag import Engine, SamplingParams
-from orthrus_rag.engine.deploy import (DedicatedDeployment, Deployment, DisaggPDDeployment,
-                                       WorkerError)
+from orthrus_rag.engine.deploy import DedicatedDeployment, DisaggPDDeployment, WorkerError
 from orthrus_rag.engine.handoff import HandoffOutput
-from orthrus_rag.engine.options import engine_config
+from orthrus_rag.config.build import engine_config
 from tests.conftest import SMOL, engine_overrides
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
@@ -130,7 +129,7 @@ def disagg():
 def test_mixed_workload_is_identical_on_every_deployment(engine, dedicated, disagg):
     want_gen, want_emb = engine.run(PROMPTS, GREEDY, TEXTS)
     for dep in (engine, dedicated, disagg):
-        assert isinstance(dep, Deployment)
+        assert isinstance(dep, (Engine, DedicatedDeployment, DisaggPDDeployment))
         gen, emb = dep.run(PROMPTS, GREEDY, TEXTS)
         assert [o.token_ids for o in gen] == [o.token_ids for o in want_gen], type(dep).__name__
         assert [o.text for o in gen] == [o.text for o in want_gen]

@@ -117,48 +117,22 @@ def test_an_iter_retgen_question_runs_through_the_remote_client(remote, served):
     assert all(it.generation for it in rec.iterations)
 
 
-# ---- the load drivers' seam over any client ---------------------------------------------------------------------
-def _poll_all(driver, n: int, timeout_s: float = 30.0) -> dict:
-    import time
-
-    got, deadline = {}, time.monotonic() + timeout_s
-    while len(got) < n and time.monotonic() < deadline:
-        got.update((o.request_id, o) for o in driver.poll(0.05))
-    return got
-
-
-def test_the_driver_turns_a_client_back_into_submit_and_poll():
-    from orthrus_rag.engine.clients import EngineClientDriver
-
-    driver = EngineClientDriver(AsyncEngine(FakeEngine()))
-    try:
-        for i in range(3):
-            driver.submit("generate", f"g{i}", f"Question: What is item {i}?\n", None)
-        driver.submit("embed", "e0", "some text", None)  # the fake engine refuses embeddings
-        with pytest.raises(ValueError, match="'stream' is not a valid RequestKind"):
-            driver.submit("stream", "x", "y", None)
-        got = _poll_all(driver, 4)
-        assert sorted(got) == ["e0", "g0", "g1", "g2"]
-        assert "item 0" in got["g0"].text and got["g1"].finish_reason == "stop"
-        assert got["e0"].finish_reason == "error" and "does not embed" in got["e0"].error
-    finally:
-        driver.shutdown()
-    with pytest.raises(RuntimeError, match="shut down"):
-        driver.submit("generate", "late", "x", None)
-
-
+# ---- the benchmarks over a running server --------------------------------------------------------------------------
 def test_a_running_server_is_a_benchmark_system(served):
     from omegaconf import OmegaConf
 
     from scripts.bench.harness import system_factory
 
     cfg = OmegaConf.create({"experiment": {"clients": 4}})
-    driver = system_factory(f"remote:{served.url}", cfg)()
-    try:
-        driver.submit("embed", "e", SERVED_REFERENCE_TEXTS[0], None)
-        driver.submit("generate", "g", "The capital of France is", GREEDY)
-        got = _poll_all(driver, 2)
-        torch.testing.assert_close(got["e"].embedding, served.reference[0].float(), atol=1e-5, rtol=0)
-        assert got["g"].text and got["g"].finish_reason in ("length", "stop")
-    finally:
-        driver.shutdown()
+    client = system_factory(f"remote:{served.url}", cfg)()
+
+    async def main():
+        try:
+            return await asyncio.gather(client.embed(SERVED_REFERENCE_TEXTS[0], None, "e"),
+                                        client.generate("The capital of France is", GREEDY, "g"))
+        finally:
+            await client.aclose()
+
+    emb, gen = asyncio.run(main())
+    torch.testing.assert_close(emb.embedding, served.reference[0].float(), atol=1e-5, rtol=0)
+    assert gen.text and gen.finish_reason in ("length", "stop")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orthrus_rag.pipelines.metrics import exact_match, f1_score, normalize_answer, percentiles, recall_at_k
+from orthrus_rag.pipelines.evaluate import exact_match, f1_score, normalize_answer, percentiles, recall_at_k
 from orthrus_rag.pipelines.answers import extract_answer
 from orthrus_rag.pipelines.prompts import build_prompt
 from orthrus_rag.data.types import Passage

@@ -1,10 +1,10 @@
-"""engine/options.py: named options from a command line become typed engine settings."""
+"""config/build.py: named options from a command line become typed engine settings."""
 
 from __future__ import annotations
 
 import pytest
 
-from orthrus_rag.engine.options import engine_config, parse_option
+from orthrus_rag.config.build import engine_config, parse_option
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -125,11 +125,14 @@ def test_unified_homo_steps_never_mix_and_alternate():
     assert kinds[:4] == [True, False, True, False]
 
 
-def test_unknown_policy_is_rejected():
-    from orthrus_rag.engine.options import engine_config
+def test_unknown_policy_is_rejected(monkeypatch):
+    from orthrus_rag.config.build import engine_config
+    from orthrus_rag.engine.engine import Engine
+    from orthrus_rag.engine.executor import loading
 
+    monkeypatch.setattr(loading, "load_models", lambda config: pytest.fail("weights loaded for an unknown policy"))
     with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
-        engine_config(policy="fifo")
+        Engine.from_config(engine_config(policy="fifo"))
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         make_policy("fifo")
 

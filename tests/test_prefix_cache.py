@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orthrus_rag import Engine, SamplingParams
-from orthrus_rag.engine.core.prefix_cache import PrefixCachingBlockManager
+from orthrus_rag.engine.core.block_manager import PrefixCachingBlockManager
 from orthrus_rag.engine.core.request import Request, RequestKind
 from tests.conftest import SMOL, engine_overrides
 from tests.fake_steps import make_request

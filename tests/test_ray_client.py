@@ -14,7 +14,7 @@ pytest.importorskip("ray")
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError  # noqa: E402
 
-from orthrus_rag.engine.async_engine import EngineUnavailable  # noqa: E402
+from orthrus_rag.engine.clients.protocol import EngineUnavailable  # noqa: E402
 from orthrus_rag.engine.routing import EmbeddingSpace  # noqa: E402
 from orthrus_rag.entrypoints.ray.client import RayServeClient  # noqa: E402
 from orthrus_rag.outputs import GenerationOutput  # noqa: E402

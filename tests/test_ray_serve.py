@@ -25,7 +25,7 @@ def ray_serve():
     import ray
     from ray import serve
 
-    from orthrus_rag.engine.options import engine_config
+    from orthrus_rag.config.build import engine_config
     from orthrus_rag.entrypoints.openai.server import free_port
     from orthrus_rag.entrypoints.ray.app import APP_NAME, REPLICA, build_application, start
 

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from orthrus_rag.data import make_synthetic
-from orthrus_rag.engine.async_engine import EngineUnavailable
+from orthrus_rag.engine.clients.protocol import EngineUnavailable
 from orthrus_rag.entrypoints.run_session import RunSession
 from orthrus_rag.pipelines import IterRetGen
 from orthrus_rag.pipelines.records import QARecord
@@ -113,7 +113,7 @@ def test_a_session_number_is_never_reused(tmp_path):
     first.remaining(examples)
     first.begin()
     engine = FailingEngine({examples[1].question: EngineUnavailable("replica died")})
-    asyncio.run(first.consume(IterRetGen(engine, None, iterations=1).stream(first.remaining(examples))))
+    asyncio.run(_consume(first, IterRetGen(engine, None, iterations=1).stream(first.remaining(examples))))
     first.store.checkpoint(first.summary())
     first.close()
     second = _resume(tmp_path, cfg, "retryable")  # session 2: sets question 1 aside, then dies
@@ -129,7 +129,7 @@ def test_the_retried_questions_complete_the_run(tmp_path):
     session = _resume(tmp_path, cfg, "all")
     session.begin()
     pipe = IterRetGen(FailingEngine({}), None, iterations=1)
-    asyncio.run(session.consume(pipe.stream(session.remaining(examples))))
+    asyncio.run(_consume(session, pipe.stream(session.remaining(examples))))
     summary = session.summary()
     session.close()
     assert summary["complete"] and summary["num_questions"] == 4 and summary["num_failed"] == 0
@@ -138,7 +138,13 @@ def test_the_retried_questions_complete_the_run(tmp_path):
 
 
 def test_retry_failed_is_checked(tmp_path):
-    from orthrus_rag.app_config import validate
+    from orthrus_rag.entrypoints.checks import validate
 
     with pytest.raises(ValueError, match="unknown retry_failed .some.; expected one of retryable, all, none"):
         validate(_compose("experiment=smoke", f"run_dir={tmp_path}", "retry_failed=some"))
+
+
+async def _consume(session, records) -> None:  # noqa: ANN001 (what `orthrus-rag run` does with a pipeline's stream)
+    with session.progress():
+        async for rec in records:
+            session.record(rec)

@@ -389,6 +389,6 @@ def test_serve_command_refuses_bad_config_before_loading(overrides, message, tmp
     def no_model(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a model was loaded for a bad config")
 
-    monkeypatch.setattr("orthrus_rag.app_config.build_engine", no_model)
+    monkeypatch.setattr("orthrus_rag.engine.engine.Engine.from_config", no_model)
     assert main(["serve", *overrides, f"run_dir={tmp_path}"]) == 2  # the console script exits with it
     assert message in capsys.readouterr().err

@@ -105,7 +105,7 @@ def test_over_http_the_server_prefixes_by_input_type(backbone) -> None:
 
 
 def test_model_smollm2_backbone_embeds_with_the_shipped_adapter(tmp_path) -> None:
-    from orthrus_rag.app_config import validate
+    from orthrus_rag.entrypoints.checks import validate
     from orthrus_rag.entrypoints.commands import _pooling
     from tests.test_app_config import _compose
     from types import SimpleNamespace

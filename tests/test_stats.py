@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from orthrus_rag.engine.stats import STEP_TIME_EDGES, Histogram, StepAggregator, StepStats, summarize_steps
+from orthrus_rag.engine.stats import STEP_TIME_EDGES, Histogram, StepAggregator, summarize_steps
+from orthrus_rag.outputs import StepStats
 
 
 def _step(i: int, rng: random.Random) -> StepStats:

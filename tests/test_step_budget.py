@@ -1,4 +1,4 @@
-"""The cost-aware step budget (engine/step_cost.py) with a fake cost model: never above the cap, a kind alone
+"""The cost-aware step budget (engine/core/step_cost.py) with a fake cost model: never above the cap, a kind alone
 gets whole steps, each kind progresses every few steps; the online fit and the start-up calibration."""
 
 from __future__ import annotations

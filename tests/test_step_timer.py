@@ -1,5 +1,5 @@
-"""Step timing for the cost model (engine/step_timer.py): on CUDA a step is timed by CUDA events and waited for
-at its end (a host clock would read launch time); elsewhere by the host clock. The engine and the start-up
+"""Step timing for the cost model (`run_timed` in engine/executor/runner.py): on CUDA a step is timed by CUDA
+events and waited for at its end (a host clock would read launch time); elsewhere by the host clock. The engine and the start-up
 calibration both learn the runner's measured seconds. CUDA is stood in for by fake events here; the GPU set
 (tests/test_gpu_engine.py) checks the cost model against real CUDA-event timing."""
 
@@ -12,15 +12,14 @@ import torch
 from transformers import LlamaConfig
 
 from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
-from orthrus_rag.engine.executor import step_timer
 from orthrus_rag.engine.executor.calibration import calibrate
-from orthrus_rag.engine.executor.runner import RunnerOutput
+from orthrus_rag.engine.executor.runner import RunnerOutput, run_timed
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.models.llama import CausalLM
 
 
 def test_on_the_cpu_the_host_clock_is_the_step_time():
-    result, seconds = step_timer.run_timed(torch.device("cpu"), lambda: time.sleep(0.05) or "done")
+    result, seconds = run_timed(torch.device("cpu"), lambda: time.sleep(0.05) or "done")
     assert result == "done" and 0.05 <= seconds < 0.5
 
 
@@ -52,7 +51,7 @@ def test_on_cuda_a_step_is_timed_by_events_and_waited_for(monkeypatch):
     _Events.log = []
     monkeypatch.setattr(torch.cuda, "Event", _Events)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
-    result, seconds = step_timer.run_timed(torch.device("cuda:1"), lambda: _Events.log.append("step") or 7)
+    result, seconds = run_timed(torch.device("cuda:1"), lambda: _Events.log.append("step") or 7)
     assert result == 7
     assert seconds == pytest.approx(0.25)  # the device's time, though the host returned at once
     assert _Events.log == ["new begin", "new end", "record begin", "step", "record end", "synchronize end"]

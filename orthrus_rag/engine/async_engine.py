@@ -17,37 +17,18 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from orthrus_rag.engine.engine import Engine
-from orthrus_rag.engine.clients.protocol import refuse_inside_event_loop
-from orthrus_rag.engine.loop import EngineLoop, StepFailed
-from orthrus_rag.engine.routing import EmbeddingSpace
-from orthrus_rag.engine.stats import StepStats
+import torch
+
+from orthrus_rag.engine.clients.protocol import (EngineQueueFull, EngineShutdown, RequestAborted,
+                                                 refuse_inside_event_loop)
 from orthrus_rag.engine.core.request import RequestKind
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.engine.engine import Engine, EngineLoop, StepFailed
+from orthrus_rag.engine.routing import EmbeddingSpace
+from orthrus_rag.machine import release_openmp_pool
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, StepStats
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineQueueFull(RuntimeError):
-    """More unfinished requests than `max_in_flight`; retry later."""
-
-
-class RequestAborted(RuntimeError):
-    """The request was aborted before it finished."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"request {request_id!r} was aborted")
-        self.request_id = request_id
-
-
-class EngineShutdown(RuntimeError):
-    """The AsyncEngine was shut down before the request finished."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The replica serving the request failed (a scale-out deployment, entrypoints/ray/); retry: another replica
-    takes it."""
 
 
 class _Snapshots:
@@ -274,6 +255,9 @@ class AsyncEngine:
             self._loop = loop
             self._stopped = loop.create_future()
             self._thread = threading.Thread(target=self._run, name="orthrus-async-engine", daemon=True)
+            # NOTE: the engine steps on its own thread from now on: the OpenMP pool this thread built (loading the
+            # model, embed_sync) would only idle beside the engine thread's and slow every pool down
+            release_openmp_pool()
             self._thread.start()
 
     def _submit(self, kind: RequestKind, request_id: str | None, input: Any, params: Any, stream: bool) -> _Sink:
@@ -304,6 +288,8 @@ class AsyncEngine:
     # ---- engine thread: a thin shell around the one EngineLoop -----------------------------------------------
     def _run(self) -> None:
         cmds: list[tuple] = []
+        if self._engine.config.num_threads is not None:
+            torch.set_num_threads(self._engine.config.num_threads)  # NOTE: OpenMP's thread count is per thread
         try:
             while True:
                 # NOTE: block when idle (no busy spin); otherwise take whatever arrived and step

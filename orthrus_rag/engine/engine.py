@@ -1,8 +1,14 @@
-"""The synchronous engine: add requests of both kinds, step, collect outputs.
+"""The synchronous engine, and the loop that every front end drives it through.
 
-`step()` is the whole loop: the scheduler decides, the runner runs one flat batch (plus the encoder), the
-scheduler applies the outcome (`update_from_output`: tokens, stops, freed blocks) and the engine turns it into
-outputs.
+`Engine`: add requests of both kinds, step, collect outputs. `step()` is the whole step: the scheduler decides, the
+runner runs one flat batch (plus the encoder), the scheduler applies the outcome (`update_from_output`: tokens,
+stops, freed blocks) and the engine turns it into outputs.
+
+`EngineLoop`: the one owner of `Engine.step`. Every front end (the asyncio engine, a deployment's worker process,
+`Engine.run_until_done`) is a thin shell around it. It takes commands keyed by `RequestKind` (add, abort), steps the
+engine, and routes each output to the sink of its request: streaming snapshots as they come, the final output
+once. A step that raises fails every pending request, of every sink, with that error as the cause (their KV blocks
+freed), and the loop goes on serving.
 """
 
 from __future__ import annotations
@@ -13,27 +19,24 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.engine.core.block_manager import BlockManager
+from orthrus_rag.engine.core.block_manager import BlockManager, PrefixCachingBlockManager
 from orthrus_rag.engine.executor.calibration import calibrate
-from orthrus_rag.engine.detokenizer import stream_text, update_output
+from orthrus_rag.engine.text_io import InputProcessor, stream_text, update_output
 from orthrus_rag.engine.handoff import restore_generator
-from orthrus_rag.engine.input_processor import InputProcessor
-from orthrus_rag.engine.loop import EngineLoop
-from orthrus_rag.engine.core.prefix_cache import PrefixCachingBlockManager
 from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.routing import EmbeddingRoute, EmbeddingSpace
 from orthrus_rag.engine.executor.runner import ModelRunner
-from orthrus_rag.engine.core.scheduler import Scheduler, StepResult
-from orthrus_rag.engine.stats import StepStats
+from orthrus_rag.engine.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.layers.sampler import make_generator
 from orthrus_rag.structured.compiler import GrammarCompiler, compiler_for
-from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput, HandoffOutput, RequestMetrics
+from orthrus_rag.outputs import (EmbeddingOutput, EngineOutput, GenerationOutput, HandoffOutput, RequestMetrics,
+                                 StepStats)
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,7 +56,6 @@ class Engine:
         self.adapter_prefixes = dict(adapter_prefixes or {})  # name -> input type -> prefix (the adapters' cards)
         self._space: EmbeddingSpace | None = None  # what `embedding_space` reports, made on first use
         self.encoder_pooling = encoder_pooling or {}
-        device = torch.device(config.model.device)
         hf = model.config
         max_len = config.model.max_model_len or hf.max_position_embeddings
         cache = config.cache
@@ -70,12 +72,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, partial(
             update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
             StepCostModel() if _sizes_steps_by_cost(config) else None)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, device, dtype, encoder,
-                                  config.scheduler.max_num_batched_tokens, config.model.attention_backend,
-                                  config.model.cuda_graphs, self.max_seq_len, config.model.cpu_decode_kernel,
-                                  min(self.eos_token_ids) if self.eos_token_ids else None,
-                                  cpu_prefill_kernel=config.model.cpu_prefill_kernel,
-                                  cpu_sample_kernel=config.model.cpu_sample_kernel)
+        self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len,
+                                  min(self.eos_token_ids) if self.eos_token_ids else None)
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
         if self.scheduler.cost_model is not None:
             calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)
@@ -95,7 +93,7 @@ class Engine:
         """Load a decoder (built-in name, folder, .gguf or hub id), optional PEFT embedding adapters and an
         optional separate encoder. `overrides` set EngineConfig fields or sub-config fields by name
         (e.g. `max_num_batched_tokens=128`, `num_blocks=512`, `dtype="bfloat16"`)."""
-        from orthrus_rag.engine.options import engine_config
+        from orthrus_rag.config.build import engine_config
 
         return cls.from_config(engine_config(model, embedding_adapters, embedding_model, **overrides))
 
@@ -262,8 +260,8 @@ class Engine:
         if sched.is_empty:
             return []
         now = time.monotonic()
-        stats = StepStats.from_schedule(self.num_steps, sched, len(self.scheduler.waiting),
-                                        len(self.scheduler.running), self.block_manager.num_used_blocks)
+        stats = _planned_stats(self.num_steps, sched, len(self.scheduler.waiting), len(self.scheduler.running),
+                               self.block_manager.num_used_blocks)
         stats.num_prefix_hit_tokens = self._prefix_hit_tokens() - hits
         for req in [s.req for s in sched.scheduled] + sched.encoder:
             req.first_scheduled_time = req.first_scheduled_time or now
@@ -369,7 +367,7 @@ class Engine:
             raise RuntimeError(f"{len(failed)} embedding(s) failed: {'; '.join(failed[:3])}")
         return [outputs[i] for i in gen_ids], [outputs[i] for i in emb_ids]
 
-    # ---- the Deployment protocol (orthrus_rag.engine.deploy): an in-process engine holds no workers -----------
+    # ---- as the deployments (orthrus_rag.engine.deploy) offer it: an in-process engine holds no workers ------
     def shutdown(self) -> None:
         """Nothing to release in-process; lets benchmarks treat an Engine like the multi-process deployments."""
 
@@ -387,7 +385,119 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def _sizes_steps_by_cost(config: EngineConfig) -> bool:
-    """`cost_budget`, with None meaning: on CUDA (decode steps have slack), off elsewhere (config.py)."""
+    """`cost_budget`, with None meaning: on CUDA (decode steps have slack), off elsewhere (config/engine.py)."""
     if config.scheduler.cost_budget is not None:
         return config.scheduler.cost_budget
     return torch.device(config.model.device).type == "cuda"
+
+
+def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,
+                   kv_blocks_used: int) -> StepStats:
+    """A step's stats as the scheduler planned it (`record_execution` adds what ran)."""
+    embed = prefill = decode = 0
+    for s in sched.scheduled:
+        if s.req.is_embed:
+            embed += s.num_new_tokens
+        elif s.req.is_decoding:
+            decode += s.num_new_tokens
+        else:
+            prefill += s.num_new_tokens
+    return StepStats(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
+                     len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
+                     kv_blocks_used)
+
+
+# ---- the loop around the engine -----------------------------------------------------------------------------
+class RequestSink(Protocol):
+    """Where one request's results go. Called on the loop's thread; must not block."""
+
+    def put(self, output: EngineOutput) -> None:
+        """A streaming snapshot (`output.finished` False) or the request's final output (an abort included)."""
+
+    def fail(self, exc: BaseException) -> None:
+        """The request failed as a whole (its step raised, the loop shut down); nothing follows."""
+
+
+class StepFailed(RuntimeError):
+    """An engine step raised (its `__cause__`); every request pending at that moment failed with that error."""
+
+
+class EngineLoop:
+    """Commands in, outputs out, for one engine. `orphan`: where outputs of requests that have no sink go (added
+    to the engine directly, as `Engine.run` does); None drops them."""
+
+    def __init__(self, engine: Engine, orphan: Callable[[EngineOutput], None] | None = None) -> None:
+        self.engine = engine
+        self.orphan = orphan
+        self.sinks: dict[str, RequestSink] = {}
+
+    # ---- commands ---------------------------------------------------------------------------------------------
+    def add(self, kind: RequestKind, request_id: str | None, input: Any, params: SamplingParams | PoolingParams | None,
+            sink: RequestSink, *, stream: bool = False, handoff: bool = False) -> str:
+        """Queue one request whose results go to `sink`; bad input raises (ValueError / TypeError) and adds
+        nothing. The one place that dispatches on the kind of a request."""
+        if kind is RequestKind.GENERATE:
+            rid = self.engine.add_generate(input, params, request_id, stream=stream, handoff=handoff)
+        elif kind is RequestKind.EMBED:
+            rid = self.engine.add_embed(input, params, request_id)
+        else:
+            kinds = ", ".join(k.value for k in RequestKind)
+            raise ValueError(f"unknown request kind {kind!r}; expected one of {kinds}")
+        self.sinks[rid] = sink
+        return rid
+
+    def add_prefilled(self, handoff: Any, sink: RequestSink) -> str:
+        """Continue a generation another engine prefilled (engine/handoff.py)."""
+        rid = self.engine.add_prefilled(handoff)
+        self.sinks[rid] = sink
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request: its blocks are freed at once and its sink gets a final output with finish_reason
+        "abort". False if it is unknown or already finished."""
+        out = self.engine.abort(request_id)
+        if out is None:
+            return False
+        sink = self.sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(out)
+        return True
+
+    # ---- stepping -----------------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def run_step(self) -> None:
+        """One engine step, its outputs routed; a step that raises fails every pending request and raises
+        `StepFailed` (the engine is then empty and usable again)."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing %d pending requests",
+                             len(self.engine.unfinished_request_ids()))
+            self.fail_all(exc)  # NOTE: each caller gets the cause itself
+            raise StepFailed(f"the engine step failed: {type(exc).__name__}: {exc}") from exc
+        for out in outputs:
+            sink = self.sinks.pop(out.request_id, None) if out.finished else self.sinks.get(out.request_id)
+            if sink is not None:
+                sink.put(out)
+            elif self.orphan is not None:
+                self.orphan(out)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Abort every request in the engine (freeing its blocks) and fail each sink's request with `exc`."""
+        for rid in self.engine.unfinished_request_ids():
+            self.engine.abort(rid)
+        sinks, self.sinks = self.sinks, {}
+        for sink in sinks.values():
+            sink.fail(exc)
+
+    def run_until_done(self, max_steps: int) -> None:
+        """Step until the engine has no unfinished request; RuntimeError past `max_steps` steps."""
+        for _ in range(max_steps):
+            if not self.has_work:
+                return
+            self.run_step()
+        if self.has_work:
+            raise RuntimeError(f"requests unfinished after {max_steps} steps")

@@ -1,5 +1,5 @@
-"""Per-step statistics: how the token budget was split between the kinds of work; `StepAggregator` keeps totals
-and histograms of any number of steps in constant memory (run summaries, metrics)."""
+"""Statistics over many steps: `StepAggregator` keeps totals and histograms of any number of `StepStats`
+(orthrus_rag/outputs.py: what the engine hands its step observers) in constant memory (run summaries, metrics)."""
 
 from __future__ import annotations
 
@@ -7,82 +7,9 @@ import bisect
 import math
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from orthrus_rag.engine.core.scheduler import SchedulerOutput
-
-
-@dataclass
-class StepStats:
-    step: int
-    num_embed_tokens: int  # decoder-backbone embedding chunks
-    num_prefill_tokens: int  # generation prompt chunks (incl. recompute after preemption)
-    num_decode_tokens: int
-    num_encoder_tokens: int  # whole sequences on the separate encoder
-    num_requests: int
-    num_waiting: int
-    num_running: int
-    num_preempted: int
-    kv_blocks_used: int
-    step_time: float = 0.0
-    # what the runner executed (the fields above are the scheduler's plan): rows of each kind in its decoder
-    # forwards, and rows of the separate encoder's forward
-    num_decoder_forwards: int = 0
-    num_forward_embed_rows: int = 0
-    num_forward_generate_rows: int = 0
-    num_forward_encoder_rows: int = 0
-    num_sampled_rows: int = 0  # generation rows the sampler drew a token for
-    num_constrained_rows: int = 0  # of those, rows masked by a structured-output grammar first
-    num_adapter_generate_rows: int = 0  # forward rows under a LoRA adapter, by kind
-    num_adapter_embed_rows: int = 0
-    num_adapters: int = 0  # distinct adapters with rows in the forward
-    # prompt tokens this step's admissions found in the prefix cache (net of preempted ones' returned hits)
-    num_prefix_hit_tokens: int = 0
-
-    @property
-    def is_mixed(self) -> bool:
-        """The step's one decoder forward carried embedding and generation rows together (or the encoder ran
-        beside a forward that carried generation rows): counted from what ran, not from the plan."""
-        if self.num_forward_generate_rows == 0:
-            return False
-        same_forward = self.num_decoder_forwards == 1 and self.num_forward_embed_rows > 0
-        return same_forward or self.num_forward_encoder_rows > 0
-
-    @property
-    def ran_as_scheduled(self) -> bool:
-        """Every planned token ran, in one decoder forward (if any) and the encoder's."""
-        planned = self.num_embed_tokens + self.num_prefill_tokens + self.num_decode_tokens
-        return (self.num_decoder_forwards == int(planned > 0) and self.num_forward_embed_rows == self.num_embed_tokens
-                and self.num_forward_generate_rows == self.num_prefill_tokens + self.num_decode_tokens
-                and self.num_forward_encoder_rows == self.num_encoder_tokens)
-
-    def record_execution(self, executed: Any) -> None:
-        """Copy what the runner executed (its RunnerOutput's row counts)."""
-        self.num_decoder_forwards = executed.num_decoder_forwards
-        self.num_forward_embed_rows = executed.num_embed_rows
-        self.num_forward_generate_rows = executed.num_generate_rows
-        self.num_forward_encoder_rows = executed.num_encoder_rows
-        self.num_sampled_rows = executed.num_sampled_rows
-        self.num_constrained_rows = executed.num_constrained_rows
-        self.num_adapter_generate_rows = executed.num_adapter_generate_rows
-        self.num_adapter_embed_rows = executed.num_adapter_embed_rows
-        self.num_adapters = executed.num_adapters
-
-    @classmethod
-    def from_schedule(cls, step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,
-                      kv_blocks_used: int) -> "StepStats":
-        embed = prefill = decode = 0
-        for s in sched.scheduled:
-            if s.req.is_embed:
-                embed += s.num_new_tokens
-            elif s.req.is_decoding:
-                decode += s.num_new_tokens
-            else:
-                prefill += s.num_new_tokens
-        return cls(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
-                   len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
-                   kv_blocks_used)
+from orthrus_rag.outputs import StepStats
 
 
 class Histogram:

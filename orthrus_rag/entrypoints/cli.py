@@ -71,7 +71,7 @@ def _hydra(command: str, argv: list[str]) -> int:
     import hydra
     from omegaconf import DictConfig
 
-    from orthrus_rag.app_config import register_configs
+    from orthrus_rag.config.app import register_configs
 
     register_configs()
     codes: list[int] = []
@@ -189,7 +189,8 @@ def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
-    from orthrus_rag.app_config import OPERATIONAL_KEYS, resumed_config
+    from orthrus_rag.config.app import OPERATIONAL_KEYS
+    from orthrus_rag.config.saved import resumed_config
     from orthrus_rag.pipelines.run_store import CONFIG, RunStore
 
     hc = HydraConfig.get()

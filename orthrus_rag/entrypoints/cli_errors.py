@@ -65,7 +65,6 @@ def _describe(exc: BaseException) -> tuple[int, str] | None:
 
 
 def _is_backend_failure(exc: BaseException) -> bool:
-    from orthrus_rag.engine.async_engine import EngineShutdown
-    from orthrus_rag.engine.clients.deployment_client import ClientFailed
+    from orthrus_rag.engine.clients.protocol import ClientFailed, EngineShutdown
 
     return isinstance(exc, (EngineShutdown, ClientFailed))

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from orthrus_rag.app_config import validate
+from orthrus_rag.entrypoints.checks import validate
 from orthrus_rag.entrypoints.clients import build_client
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,9 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     async def answer() -> None:
         try:
             async with contextlib.aclosing(pipeline.stream(remaining)) as records:
-                await session.consume(records)
+                with session.progress():
+                    async for rec in records:
+                        session.record(rec)
         finally:
             await closing.aclose()
 

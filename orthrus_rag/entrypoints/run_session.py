@@ -8,19 +8,21 @@ steps.jsonl), so a resumed run ends with the summary an uninterrupted one would 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from orthrus_rag.app_config import config_diff
+from orthrus_rag.config.saved import config_diff
 from orthrus_rag.data.types import QAExample
-from orthrus_rag.engine.stats import StepAggregator, StepStats
+from orthrus_rag.engine.stats import StepAggregator
+from orthrus_rag.outputs import StepStats
 from orthrus_rag.pipelines.evaluate import RunScores
 from orthrus_rag.pipelines.records import QARecord, ask_again
 from orthrus_rag.pipelines.run_store import CONFIG, RETRIED, SUMMARY, RunStore
@@ -123,27 +125,30 @@ class RunSession:
         self.steps.add(stats)
         self.store.append_step({**vars(stats), "session": self.session})
 
-    async def consume(self, records: AsyncIterator[QARecord]) -> None:
-        """Write each record as it comes, checkpoint every `checkpoint_every`, show progress."""
-        self._open_bar()
-        try:
-            async for rec in records:
-                rec.session, rec.finished_s = self.session, time.perf_counter() - self.started
-                self.store.append_record(rec)
-                self.scores.add(rec)
-                self.num_new += 1
-                self._show(rec)
-                if self.num_new % self.cfg.checkpoint_every == 0:
-                    self.checkpoint()
-        finally:
-            if self._bar is not None:
-                self._bar.close()
+    def record(self, rec: QARecord) -> None:
+        """Write one finished question's record as it comes (the caller drives the pipeline), checkpoint every
+        `checkpoint_every`, show progress (inside `progress()`)."""
+        rec.session, rec.finished_s = self.session, time.perf_counter() - self.started
+        self.store.append_record(rec)
+        self.scores.add(rec)
+        self.num_new += 1
+        if self._bar is not None:
+            self._show(rec)
+        if self.num_new % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
 
-    def _open_bar(self) -> None:
+    @contextlib.contextmanager
+    def progress(self) -> Iterator[None]:
+        """A progress bar over the run's questions while the records come."""
         tty = sys.stderr.isatty()
         self._bar = tqdm(total=self.num_total, initial=len(self.done), desc="questions", unit="q",
                          disable=not self.cfg.progress, smoothing=0.05, mininterval=0.5 if tty else 30.0,
                          dynamic_ncols=True)
+        try:
+            yield
+        finally:
+            self._bar.close()
+            self._bar = None
 
     def _show(self, rec: QARecord) -> None:
         s = self.scores.means

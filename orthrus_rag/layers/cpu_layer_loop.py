@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orthrus_rag.layers import linear
+from orthrus_rag.layers import linear, lora_fused
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
-from orthrus_rag.layers.lora_fused import LoRAGroup, adapter_generation
+from orthrus_rag.layers.lora_fused import LoRAGroup
 
 _NO_BIAS = torch.empty(0)  # csrc/layer_loop.h reads a zero-element bias as "none"
 _NO_ADAPTERS: tuple[list, list, list] = ([], [], [])
@@ -71,7 +71,7 @@ class LayerLoop:
     def __init__(self, model: nn.Module) -> None:  # NOTE: a models/llama.py DecoderModel
         self.model = model
         self._weights: list[torch.Tensor] | None = None
-        # (linear.pack_generation(), lora_fused.adapter_generation()) the arguments were gathered at
+        # (linear.GENERATION, lora_fused.GENERATION) the arguments were gathered at
         self._built_for: tuple[int, int] | None = None
         self._adapters, self._adapters_ok = _NO_ADAPTERS, True
         # NOTE: the packed weights' op as the C++ names its signature (a torch without it: dense weights only)
@@ -121,7 +121,7 @@ class LayerLoop:
         plan = kernel_plan(ctx.attn) if kernel_plan is not None else None
         if plan is None:
             return None
-        built_for = (linear.pack_generation(), adapter_generation())
+        built_for = (linear.GENERATION[0], lora_fused.GENERATION[0])
         if self._built_for != built_for:
             self._gather()
             self._built_for = built_for

@@ -63,11 +63,8 @@ _POINTWISE = _pointwise_op()
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _POINTWISE is not None else None
 
 
-_GENERATION = [0]  # bumped by every pack_module: holders of packed weights (cpu_layer_loop.py) gather them anew
-
-
-def pack_generation() -> int:
-    return _GENERATION[0]
+# bumped by every pack_module: holders of packed weights (cpu_layer_loop.py) read it and gather them anew
+GENERATION = [0]
 
 
 def packed_layout() -> str:
@@ -123,7 +120,7 @@ def pack_module(module: nn.Linear, from_rows: int | None = None) -> None:
                                                                                   dtype=weight.dtype))
         # NOTE: a plain attribute, not a buffer: it must not reach state_dict or `.to()`
         module._onednn = packed  # type: ignore[assignment]
-        _GENERATION[0] += 1
+        GENERATION[0] += 1
 
 
 def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str | None, nn.Linear]]:

@@ -28,15 +28,13 @@ from torch import nn
 
 from orthrus_rag.layers.cpu_extension import kernels
 
-_GENERATION = [0]  # bumped whenever a model's adapters or LoRA settings change: cached groups are rebuilt
-
-
-def adapter_generation() -> int:
-    return _GENERATION[0]
+# bumped whenever a model's adapters or LoRA settings change: cached groups are rebuilt (read, not called, by the
+# layer loop at every step)
+GENERATION = [0]
 
 
 def adapters_changed() -> None:
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 @dataclass
@@ -114,7 +112,7 @@ def cached_group(holder: object, parts: Sequence[nn.Module], sizes: Sequence[int
     """`holder`'s LoRAGroup of `parts`, rebuilt after any adapter change or a move to another dtype; None when no
     part carries an adapter."""
     # NOTE: the key read once, before building: a change landing meanwhile makes the next call rebuild
-    key = (adapter_generation(), parts[0].weight.dtype)
+    key = (GENERATION[0], parts[0].weight.dtype)
     cached = holder.__dict__.get("_lora_group")
     if cached is None or cached[0] != key:
         group = LoRAGroup(parts, sizes) if any(getattr(p, "scalings", None) for p in parts) else None

@@ -188,9 +188,39 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.config = config
-        self.fused_norms = False  # CausalLM.use_cpu_kernels: residual adds fused into the norms
-        self.layer_loop: LayerLoop | None = None  # CausalLM.use_cpu_layer_loop: the fused loop in one C++ call
+        self._fused_norms = False
+        self._layer_loop: LayerLoop | None = None
+        self._run_layers = self._plain_layers  # the layers' path: chosen when the two settings below are set
         self.init_rotary()
+
+    @property
+    def fused_norms(self) -> bool:
+        """CausalLM.use_cpu_kernels: residual adds fused into the norms."""
+        return self._fused_norms
+
+    @fused_norms.setter
+    def fused_norms(self, value: bool) -> None:
+        self._fused_norms = value
+        self._choose_path()
+
+    @property
+    def layer_loop(self) -> LayerLoop | None:
+        """CausalLM.use_cpu_layer_loop: the fused loop in one C++ call (with fused_norms)."""
+        return self._layer_loop
+
+    @layer_loop.setter
+    def layer_loop(self, loop: LayerLoop | None) -> None:
+        self._layer_loop = loop
+        self._choose_path()
+
+    def _choose_path(self) -> None:
+        """Pick the layers' path once, when a setting changes, so `forward` does not decide it at every step."""
+        if not self._fused_norms:
+            self._run_layers = self._plain_layers
+        elif self._layer_loop is None:
+            self._run_layers = self._fused_layers
+        else:
+            self._run_layers = self._looped_layers
 
     def init_rotary(self, device: str | torch.device = "cpu") -> None:
         """(Re)build the rotary table: a non-persistent buffer, left uninitialised by `to_empty`."""
@@ -200,17 +230,28 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        if self.fused_norms:
-            h = self.layers[0].input_layernorm(x)  # NOTE: x, a fresh tensor, becomes the running residual sum
-            out = self.layer_loop(h, x, cos, sin) if self.layer_loop is not None else None
-            if out is not None:
-                return out
-            for layer, next_norm in zip(self.layers, [*(lr.input_layernorm for lr in self.layers[1:]), self.norm]):
-                h = layer.forward_fused(h, x, cos, sin, next_norm)
-            return h
+        return self._run_layers(x, cos, sin)
+
+    def _plain_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
+
+    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0].input_layernorm(x)  # NOTE: x, a fresh tensor, becomes the running residual sum
+        return self._fused_loop(h, x, cos, sin)
+
+    def _looped_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The C++ layer loop; a step it does not cover (None) takes the Python loop of the same kernels."""
+        h = self.layers[0].input_layernorm(x)  # NOTE: as in _fused_layers
+        out = self._layer_loop(h, x, cos, sin)
+        return out if out is not None else self._fused_loop(h, x, cos, sin)
+
+    def _fused_loop(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+        for layer, next_norm in zip(self.layers, [*(lr.input_layernorm for lr in self.layers[1:]), self.norm]):
+            h = layer.forward_fused(h, residual, cos, sin, next_norm)
+        return h
 
 
 class CausalLM(nn.Module):

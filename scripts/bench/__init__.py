@@ -1,1 +1,1 @@
-"""Benchmark harness: workloads (request generators), drivers over a ServingClient, reports."""
+"""Benchmark harness: workloads (request generators), drivers over an EngineClient, reports."""

@@ -1,14 +1,16 @@
-"""Load drivers over a `ServingClient`, measured from the caller side.
+"""Load drivers over an `EngineClient`, measured from the caller side (coroutines: a `Session` runs them).
 
-- `closed_loop`: C clients; each submits its next request when its previous one finished, for T seconds or N
+- `closed_loop`: C clients; each sends its next request when its previous one finished, for T seconds or N
   requests (the ratio sweep, the three phases with at most C in flight).
-- `open_loop`: requests submitted at their scheduled `arrival_s` (Poisson arrivals, the FCFS-blocking burst).
-Per request: kind, start (submit, or the scheduled arrival in open loop), finish and latency. Alongside: the
-per-step token mix of an in-process engine (`client.step_log`) and the CPU use of this process tree per second.
+- `open_loop`: requests sent at their scheduled `arrival_s` (Poisson arrivals, the FCFS-blocking burst).
+Per request: kind, start (sent, or the scheduled arrival in open loop), finish and latency. Alongside: the per-step
+token mix of a client whose steps it can see (`EngineClient.observe_steps`: an in-process engine) and the CPU use of
+this process tree per second. A request still unfinished when the run ends is cancelled (which aborts it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -18,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orthrus_rag.engine.clients import ServingClient
+from orthrus_rag.engine.clients import EngineClient
+from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 
 from .workloads import RequestSpec
@@ -121,112 +124,120 @@ def _proc_reader():
 
 
 class _Tracker:
-    """In-flight requests and their records, relative to `t0`."""
+    """Requests in flight (one task each, awaiting the client) and their records, relative to `t0`."""
 
-    def __init__(self, client: ServingClient) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self.client = client
         self.t0 = time.monotonic()
-        self.inflight: dict[str, RequestRecord] = {}
+        self.inflight: dict[str, asyncio.Task] = {}
         self.records: list[RequestRecord] = []
-        log = getattr(client, "step_log", None)
-        self._log_start = len(log) if log is not None else 0
+        self.step_log: list[tuple[float, object]] = []
+        # NOTE: the observer runs on the engine's thread; a list append is atomic there
+        self._unobserve = client.observe_steps(lambda stats: self.step_log.append((time.monotonic(), stats)))
         self.sampler = CpuSampler().start(self.t0)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def submit(self, req: RequestSpec, start_s: float | None = None) -> None:
+    def submit(self, req: RequestSpec, start_s: float | None = None) -> asyncio.Task:
+        """Send one request now; the task ends when its record is complete (never raises but CancelledError)."""
+        kind = RequestKind(req.kind)  # NOTE: a ValueError naming the kinds, before anything is recorded
         rec = RequestRecord(req.request_id, req.kind, self.now() if start_s is None else start_s, tags=dict(req.tags))
-        self.inflight[req.request_id] = rec
         self.records.append(rec)
-        self.client.submit(req.kind, req.request_id, req.input, req.params)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(self._serve(kind, req, rec))
+        self.inflight[req.request_id] = task
+        task.add_done_callback(lambda _: self.inflight.pop(req.request_id, None))
+        return task
 
-    def poll(self, timeout_s: float) -> int:
-        done = 0
-        for out in self.client.poll(timeout_s):
-            rec = self.inflight.pop(out.request_id, None)
-            if rec is None:
-                logger.warning("output for unknown request %s", out.request_id)
-                continue
-            rec.finish_s = self.now()
-            if isinstance(out, GenerationOutput):
-                rec.num_output_tokens = len(out.token_ids)
-                if out.finish_reason in ("error", "abort"):
-                    rec.error = out.finish_reason
-            elif isinstance(out, EmbeddingOutput) and out.error:
-                rec.error = out.error
-            done += 1
-        return done
+    async def _serve(self, kind: RequestKind, req: RequestSpec, rec: RequestRecord) -> None:
+        call = self.client.generate if kind is RequestKind.GENERATE else self.client.embed
+        try:
+            out = await call(req.input, req.params, req.request_id)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 (this request's failure, recorded; the run goes on)
+            rec.finish_s, rec.error = self.now(), f"{type(exc).__name__}: {exc}"
+            return
+        rec.finish_s = self.now()
+        if isinstance(out, GenerationOutput):
+            rec.num_output_tokens = len(out.token_ids)
+            if out.finish_reason in ("error", "abort"):
+                rec.error = out.finish_reason
+        elif isinstance(out, EmbeddingOutput) and out.error:
+            rec.error = out.error
+
+    async def finish(self, limit_s: float, workers: Iterable[asyncio.Task] = ()) -> None:
+        """Wait for `workers` and every request in flight until `limit_s` (run time); cancel what is left."""
+        waiting = [*workers, *self.inflight.values()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=max(0.0, limit_s - self.now()))
+        left = [t for t in [*waiting, *self.inflight.values()] if not t.done()]
+        if self.inflight:
+            logger.warning("%d requests unfinished at the end of the run; cancelled", len(self.inflight))
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     def result(self, label: str, window_s: float | None) -> RunResult:
         cpu = self.sampler.stop()
-        if self.inflight:
-            logger.warning("%s: %d requests unfinished at the end of the run", label, len(self.inflight))
+        if self._unobserve is not None:
+            self._unobserve()
         if window_s is None:
             window_s = max((r.finish_s for r in self.records if r.finish_s is not None), default=0.0)
-        log = getattr(self.client, "step_log", None) or []
         steps = [{"t": round(t - self.t0, 4), "embed": s.num_embed_tokens, "prefill": s.num_prefill_tokens,
                   "decode": s.num_decode_tokens, "encoder": s.num_encoder_tokens, "step_time": s.step_time}
-                 for t, s in log[self._log_start:]]
+                 for t, s in list(self.step_log)]
         return RunResult(label, window_s, self.records, steps, cpu)
 
 
-def closed_loop(client: ServingClient, requests: Iterable[RequestSpec], concurrency: int,
-                duration_s: float | None = None, max_requests: int | None = None, drain_timeout_s: float = 120.0,
-                poll_s: float = 0.05, label: str = "", warmup_s: float = 0.0) -> RunResult:
-    """`concurrency` clients submit back to back until `duration_s` passes, `max_requests` were submitted or
-    `requests` runs out; then in-flight requests drain (they count only if they finished within the window).
-    The run stops at `duration_s + drain_timeout_s` (or `drain_timeout_s` without a duration) whatever is left.
+async def closed_loop(client: EngineClient, requests: Iterable[RequestSpec], concurrency: int,
+                      duration_s: float | None = None, max_requests: int | None = None,
+                      drain_timeout_s: float = 120.0, label: str = "", warmup_s: float = 0.0) -> RunResult:
+    """`concurrency` clients send back to back until `duration_s` passes, `max_requests` were sent or `requests`
+    runs out; then in-flight requests drain (they count only if they finished within the window). The run stops
+    at `duration_s + drain_timeout_s` (or `drain_timeout_s` without a duration) whatever is left.
     `warmup_s`: completions before it are left out of the summary (throughput over `duration_s - warmup_s`)."""
     if duration_s is not None and not 0.0 <= warmup_s < duration_s:
         raise ValueError(f"warmup_s must be in [0, duration_s), got {warmup_s} for duration {duration_s}")
     if concurrency < 1:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
     it: Iterator[RequestSpec] = iter(requests)
-    tr, submitted = _Tracker(client), 0
+    tr, sent = _Tracker(client), 0
 
-    def submit_next() -> bool:
-        nonlocal submitted
-        if (duration_s is not None and tr.now() >= duration_s) or (max_requests is not None
-                                                                     and submitted >= max_requests):
-            return False
+    def next_request() -> RequestSpec | None:
+        nonlocal sent
+        if (duration_s is not None and tr.now() >= duration_s) or (max_requests is not None and sent >= max_requests):
+            return None
         req = next(it, None)
-        if req is None:
-            return False
-        tr.submit(req)
-        submitted += 1
-        return True
+        sent += req is not None
+        return req
 
-    for _ in range(concurrency):
-        submit_next()
+    async def one_client() -> None:
+        while (req := next_request()) is not None:
+            await tr.submit(req)
+
+    workers = [asyncio.ensure_future(one_client()) for _ in range(concurrency)]
     # NOTE: bounded either way: without a duration, drain_timeout_s bounds the whole run
-    limit = (duration_s or 0.0) + drain_timeout_s
-    while tr.inflight and tr.now() < limit:
-        for _ in range(tr.poll(poll_s)):
-            submit_next()
+    await tr.finish((duration_s or 0.0) + drain_timeout_s, workers)
     res = tr.result(label, duration_s)
     res.warmup_s = warmup_s
     return res
 
 
-def open_loop(client: ServingClient, schedule: list[RequestSpec], duration_s: float | None = None,
-              drain_timeout_s: float = 120.0, poll_s: float = 0.05, label: str = "") -> RunResult:
-    """Submit each request at its `arrival_s`; its latency counts from that scheduled time (so a late submit
-    caused by a busy caller counts against the system it runs in)."""
+async def open_loop(client: EngineClient, schedule: list[RequestSpec], duration_s: float | None = None,
+                    drain_timeout_s: float = 120.0, label: str = "") -> RunResult:
+    """Send each request at its `arrival_s`; its latency counts from that scheduled time (so a late send caused
+    by a busy caller counts against the system it runs in)."""
     pending = sorted(schedule, key=lambda r: r.arrival_s)
-    tr, i = _Tracker(client), 0
-    # NOTE: bounded: submissions end at duration_s (else at the last arrival), then drain_timeout_s at most
+    tr = _Tracker(client)
+    # NOTE: bounded: sending ends at duration_s (else at the last arrival), then drain_timeout_s at most
     last = pending[-1].arrival_s if pending else 0.0
     limit = (last if duration_s is None else min(duration_s, last)) + drain_timeout_s
-    while (i < len(pending) or tr.inflight) and tr.now() < limit:
-        now = tr.now()
-        while i < len(pending) and pending[i].arrival_s <= now and (duration_s is None or now < duration_s):
-            tr.submit(pending[i], start_s=pending[i].arrival_s)
-            i += 1
-        if duration_s is not None and now >= duration_s:
-            i = len(pending)
-        wait = poll_s if i >= len(pending) else min(poll_s, max(0.0, pending[i].arrival_s - now))
-        tr.poll(wait)
+    for req in pending:
+        if duration_s is not None and req.arrival_s >= duration_s:
+            break
+        if (wait := req.arrival_s - tr.now()) > 0:
+            await asyncio.sleep(wait)
+        tr.submit(req, start_s=req.arrival_s)
+    await tr.finish(limit)
     return tr.result(label, duration_s)
 
 

@@ -8,33 +8,33 @@ A load experiment module (scripts/bench/experiments/) provides
 `scripts/benchmark.py` calls `run_experiment` and then `report`. Experiments that drive their own runs
 (iter_retgen, chunk_equivalence) provide `main(cfg, out)` instead.
 
-Systems of this project are built here (`make_client`; `remote:<base URL>` drives a running server through its
-`EngineClient`, `EngineClientDriver(RemoteClient(url))`); a peer (`vllm`, `hf`) runs the same `run_system` in a
-subprocess (`peer_main.py`) under `peers_python` (vLLM lives in its own venv, `make peers`) and hands back its
+Every system is an `EngineClient` (`open_client` for this project's policies and deployments, `RemoteClient` for
+`remote:<base URL>`, a running server; `DeploymentClient` over a peer); a peer (`vllm`, `hf`) runs the same `run_system`
+in a subprocess (`peer_main.py`) under `peers_python` (vLLM lives in its own venv, `make peers`) and hands back its
 results as JSON, so every system of one experiment is measured by the same driver code in the same command.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from orthrus_rag.config import EngineConfig
-from orthrus_rag.engine.clients import SYSTEMS, EngineClientDriver, RemoteClient, ServingClient, make_client
-from orthrus_rag.engine.options import engine_config as make_engine_config
+from orthrus_rag.engine.clients import SYSTEMS, EngineClient, RemoteClient, open_client
+from orthrus_rag.config.build import engine_config_from
 
 from .driver import RunResult
-from .peer_client import PEERS, make_peer
+from .peer_client import PEERS, peer_client
 from .workloads import Workload, make_request
 
 logger = logging.getLogger(__name__)
@@ -42,43 +42,49 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Session:
-    """One system under test: its client, rebuilt on `reset()`."""
+    """One system under test: its client, rebuilt on `reset()`, and the one event loop every run of it uses (a
+    client binds to the loop of its first request)."""
 
-    def __init__(self, name: str, factory: Callable[[], ServingClient]) -> None:
+    def __init__(self, name: str, factory: Callable[[], EngineClient]) -> None:
         self.name, self._factory = name, factory
+        self._runner = asyncio.Runner()
         self.client = factory()
 
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run a driver (or any coroutine over `self.client`) to its end."""
+        return self._runner.run(coro)
+
     def reset(self) -> None:
-        self.client.shutdown()
+        self.run(self.client.aclose())
         self.client = self._factory()
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        try:
+            self.run(self.client.aclose())
+        finally:
+            self._runner.close()
 
 
-def engine_config(cfg: DictConfig) -> EngineConfig:
-    """Every field of the experiment's `engine:` node is an engine option by the same name."""
-    return make_engine_config(cfg.model, **OmegaConf.to_container(cfg.engine, resolve=True))
-
-
+UNBOUNDED = 1 << 20
 REMOTE = "remote:"  # a system named remote:<base URL>: a running `orthrus-rag serve`, through its EngineClient
 
 
-def system_factory(system: str, cfg: DictConfig) -> Callable[[], ServingClient]:
+def system_factory(system: str, cfg: DictConfig) -> Callable[[], EngineClient]:
     if system.startswith(REMOTE):
         url = system.removeprefix(REMOTE)
-        return lambda: EngineClientDriver(RemoteClient(url, max_in_flight=cfg.experiment.get("clients", 64)))
+        return lambda: RemoteClient(url, max_in_flight=cfg.experiment.get("clients", 64))
     if system in PEERS:
         opts = cfg.peer_options.get(system)
         kwargs = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
-        return lambda: make_peer(system, embed_model=cfg.model, temperature=cfg.workload.temperature,
-                                 **kwargs)  # type: ignore[arg-type]
+        return lambda: peer_client(system, embed_model=cfg.model.name, temperature=cfg.workload.temperature,
+                                   **kwargs)  # type: ignore[arg-type]
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))} or "
                          f"{REMOTE}<base URL>")
     threads = tuple(cfg.threads.split) if system in ("dedicated", "disagg-pd") else cfg.threads.inproc
-    config = engine_config(cfg)
-    return lambda: make_client(system, config, threads)
+    config = engine_config_from(cfg)  # bench.yaml's model, cache and scheduler nodes, as the CLI's
+    # NOTE: a load driver bounds what is in flight itself; the client's own limit must not refuse any of it
+    return lambda: open_client(system, config, threads, max_in_flight=UNBOUNDED)
 
 
 def workload(cfg: DictConfig, **changes: Any) -> Workload:
@@ -88,20 +94,19 @@ def workload(cfg: DictConfig, **changes: Any) -> Workload:
     return Workload(**{**fields, **changes})
 
 
-def warm_up(client: ServingClient, w: Workload, timeout_s: float = 600.0) -> None:
+async def warm_up(client: EngineClient, w: Workload, timeout_s: float = 600.0) -> None:
     """Two requests of each kind first, so one-off costs (first forward, lazy imports) are not measured."""
     import random
 
     rng = random.Random(0)
     reqs = [make_request(rng, kind, f"warm-{kind}-{i}", Workload(w.words, 4)) for kind in ("embed", "generate")
             for i in range(2)]
-    for r in reqs:
-        client.submit(r.kind, r.request_id, r.input, r.params)  # type: ignore[arg-type]
-    left, deadline = len(reqs), time.monotonic() + timeout_s
-    while left and time.monotonic() < deadline:
-        left -= len(client.poll(0.05))
-    if left:
-        raise RuntimeError(f"warm-up did not finish within {timeout_s:.0f} s")
+    calls = [(client.embed if r.kind == "embed" else client.generate)(r.input, r.params, r.request_id)
+             for r in reqs]  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
+    except TimeoutError:
+        raise RuntimeError(f"warm-up did not finish within {timeout_s:.0f} s") from None
 
 
 def run_local(system: str, cfg: DictConfig, exp: ModuleType) -> dict[str, dict]:
@@ -110,7 +115,7 @@ def run_local(system: str, cfg: DictConfig, exp: ModuleType) -> dict[str, dict]:
     session = Session(system, system_factory(system, cfg))
     try:
         logger.info("%s: ready in %.1f s", system, time.monotonic() - t0)
-        warm_up(session.client, workload(cfg))
+        session.run(warm_up(session.client, workload(cfg)))
         results: dict[str, RunResult] = exp.run_system(session, cfg)
     finally:
         session.shutdown()

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_module
 
     from orthrus_rag.entrypoints import commands as app
-    from orthrus_rag.app_config import register_configs
+    from orthrus_rag.config.app import register_configs
     from orthrus_rag.pipelines import format_table
 
     register_configs()
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 def peer_client(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) -> DeploymentClient
     from bench.peer_client import make_peer
 
-    from orthrus_rag.app_config import validate
+    from orthrus_rag.entrypoints.checks import validate
     from orthrus_rag.engine.clients import DeploymentClient
     from orthrus_rag.engine.clients.deployment_client import encoder_pooling_of, load_tokenizer
     from orthrus_rag.engine.routing import EmbeddingSpace

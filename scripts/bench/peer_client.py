@@ -1,4 +1,5 @@
-"""A peer (scripts/peers/: vLLM or transformers) behind the `ServingClient` seam the load drivers use.
+"""A peer (scripts/peers/: vLLM or transformers) as an `EngineClient`: `PeerClient` gives it the submit / poll
+shape of a deployment, and the `DeploymentClient` that owns it serves the load drivers and the pipelines.
 
 Peers take plain dicts of vLLM-style fields and report completions as dicts; the drivers want
 `GenerationOutput` / `EmbeddingOutput`. Only what the drivers read is filled in (request id, the number of
@@ -96,3 +97,12 @@ def make_peer(name: str, embed_model: str = "smollm2-135m-instruct", temperature
 
         return PeerClient(HfPeer(embed_model=embed_model, temperature=temperature, **kwargs), return_embeddings)
     raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")
+
+
+def peer_client(name: str, return_embeddings: bool = False, tokenizer: Any = None, embedding_space: Any = None,
+                **kwargs: Any) -> Any:  # -> DeploymentClient
+    """`make_peer` as the `EngineClient` every system of a benchmark is."""
+    from orthrus_rag.engine.clients import DeploymentClient
+
+    return DeploymentClient(make_peer(name, return_embeddings=return_embeddings, **kwargs), name=name,
+                            tokenizer=tokenizer, embedding_space=embedding_space)

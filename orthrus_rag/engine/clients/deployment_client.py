@@ -1,7 +1,8 @@
-"""`DeploymentClient`: an `EngineClient` over any `ServingClient` (a two-process deployment, a benchmark peer).
+"""`DeploymentClient`: an `EngineClient` over a system driven one request at a time (`submit` / `poll` /
+`shutdown`: a two-process deployment, engine/deploy/, or a benchmark peer, scripts/bench/peer_client.py).
 
-A `ServingClient` is made for one caller that submits and polls in a loop (the load drivers). A pipeline such as
-Iter-RetGen instead awaits single results from many coroutines. The bridge owns the client on one pump thread:
+Such a system is made for one caller that submits and polls in a loop; callers of the seam instead await single
+results from many coroutines. The bridge owns the system on one pump thread:
 requests queued from any thread or event loop reach the client there, between polls, and each finished output
 resolves its request's `concurrent.futures.Future` (which coroutines await through `asyncio.wrap_future`). So
 the in-process engine, the two-process deployments (`dedicated`, `disagg-pd`) and the benchmark peers serve the
@@ -27,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from orthrus_rag.embedding_formats import adapter_prefixes
-from orthrus_rag.engine.clients.protocol import refuse_inside_event_loop
+from orthrus_rag.engine.clients.protocol import ClientFailed, RequestFailed, refuse_inside_event_loop
 from orthrus_rag.engine.deploy.spec import WorkerError
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput
@@ -36,18 +37,8 @@ from orthrus_rag.params import PoolingParams, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class RequestFailed(RuntimeError):
-    """One request failed in the serving system (bad input, a pooling error); other requests go on."""
-
-
-class ClientFailed(RuntimeError):
-    """The serving client failed as a whole (a dead worker, a stall); every waiting request gets this, its
-    `__cause__` is the client's own error. Iter-RetGen stops the run on it (what it recorded stays, and
-    `resume=` continues) rather than recording every remaining question as failed."""
-
-
 class DeploymentClient:
-    """Generate / embed through a `ServingClient` (`client.submit` / `poll` / `shutdown`), which it then owns.
+    """Generate / embed through a system's `client.submit` / `poll` / `shutdown`, which it then owns.
 
     `tokenizer` and `embedding_space` say what the system serves (it is opaque from here): the generation model's
     tokenizer, and whose embeddings these are (an index built through the in-process engine serves here too when
@@ -112,7 +103,7 @@ class DeploymentClient:
 
     async def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                               request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
-        """The finished output as the one snapshot: a `ServingClient` reports only finished requests."""
+        """The finished output as the one snapshot: the system reports only finished requests."""
         yield await self.generate(prompt, params, request_id)
 
     async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
@@ -121,7 +112,7 @@ class DeploymentClient:
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request still queued here (it never reaches the system); False once it was handed over, since a
-        `ServingClient` cannot stop a request (the caller may still stop awaiting it)."""
+        submit/poll system cannot stop a request (the caller may still stop awaiting it)."""
         future = self._queued.get(request_id)
         return future is not None and future.cancel()
 

@@ -1,10 +1,11 @@
-"""`EngineClient`: the one seam everything above the engine calls through.
+"""`EngineClient`: the one seam everything above the engine calls through, and the errors it raises.
 
-Pipelines, retrievers (the `Embedder`), the OpenAI server, the LangChain components and `orthrus-rag run` all take
-an `EngineClient`. Four implement it: `AsyncEngine` (one engine in this process), `DeploymentClient` (the
-two-process baselines, or a benchmark peer, over the submit/poll `ServingClient` seam), `RemoteClient` (a
-running `orthrus-rag serve`, over HTTP) and `RayServeClient` (engine replicas on Ray Serve, entrypoints/ray/). What the embeddings of a client are (`EmbeddingSpace`) travels with it,
-so an index built through one client is searched only through a client of the same space.
+Pipelines, retrievers (the `Embedder`), the OpenAI server, the LangChain components, `orthrus-rag run` and the
+benchmarks' load drivers all take an `EngineClient`. Four implement it: `AsyncEngine` (one engine in this process,
+engine/async_engine.py), `DeploymentClient` (the two-process baselines, or a benchmark peer), `RemoteClient` (a
+running `orthrus-rag serve`, over HTTP) and `RayServeClient` (engine replicas on Ray Serve, entrypoints/ray/). What
+the embeddings of a client are (`EmbeddingSpace`) travels with it, so an index built through one client is searched
+only through a client of the same space. Callers catch the errors below, never an implementation's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,38 @@ from typing import Any, Protocol, runtime_checkable
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
+
+
+# ---- what a request through the seam can fail with -------------------------------------------------------------
+class EngineQueueFull(RuntimeError):
+    """More unfinished requests than the client's `max_in_flight`; retry later (the server answers 429)."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before it finished."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} was aborted")
+        self.request_id = request_id
+
+
+class EngineShutdown(RuntimeError):
+    """The client was shut down before the request finished."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The replica serving the request failed (a scale-out deployment, entrypoints/ray/); retry: another replica
+    takes it."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed in the serving system (bad input, a pooling error); other requests go on."""
+
+
+class ClientFailed(RuntimeError):
+    """The serving system failed as a whole (a dead worker, a stall); every waiting request gets this, its
+    `__cause__` is the system's own error. Iter-RetGen stops the run on it (what it recorded stays, and
+    `resume=` continues) rather than recording every remaining question as failed."""
 
 
 @runtime_checkable

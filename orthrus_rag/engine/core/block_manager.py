@@ -1,10 +1,28 @@
-"""Paged KV cache bookkeeping: which physical blocks each request owns. Knows nothing of the model."""
+"""Paged KV cache bookkeeping: which physical blocks each request owns (`BlockManager`), and the same with automatic
+prefix caching (`PrefixCachingBlockManager`). Knows nothing of the model.
+
+Automatic prefix caching: KV blocks of generation prompts outlive their requests and are shared by content.
+
+A full block of prompt tokens is named by a hash chain: sha256 of the previous block's name and this block's
+token ids, so a name stands for the whole prefix up to the block's end. Once computed, the block is registered
+under its name; a new prompt that starts with the same tokens takes those blocks (reference counted) and starts
+computing after them. Freed blocks keep their content and name until a new allocation needs them: blocks with
+no name are reused first, then named ones least recently freed first (vLLM's policy). RAG prompts share long
+prefixes (instructions, few-shot demonstrations), so this skips most of their prompt work.
+
+Only generation requests take part: an embedding's final chunk writes no KV at all. A generation under a LoRA adapter
+computes other K and V for the same tokens, so its chain starts from the adapter's slot: its blocks are found only by
+requests under the same adapter, never by the base model's or another adapter's. At least the prompt's last token is
+always computed (its logits are needed).
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
-from orthrus_rag.engine.core.request import Request
+from orthrus_rag.engine.core.request import Request, RequestKind
 
 
 class BlockManager:
@@ -65,3 +83,79 @@ class BlockManager:
 
     def _release(self, block: int) -> None:
         self.free_blocks.append(block)
+
+
+class PrefixCachingBlockManager(BlockManager):
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        # NOTE: an ordered set: reuse from the front, cached blocks wait at the back, any block can leave
+        self.free_blocks = OrderedDict.fromkeys(range(num_blocks))  # type: ignore[assignment]
+        self.ref_counts = [0] * num_blocks
+        self.name_of: dict[int, bytes] = {}
+        self.block_of: dict[bytes, int] = {}
+        self.num_hit_tokens = 0  # prompt tokens served from the cache so far (first admissions only)
+
+    def block_names(self, req: Request) -> list[bytes]:
+        """Names of the full blocks of `req`'s prompt (computed once per request)."""
+        if req.block_names is None:
+            names, parent, bs = [], b"adapter:%d" % req.adapter_slot if req.adapter_slot else b"", self.block_size
+            for start in range(0, req.num_prompt_tokens - bs + 1, bs):
+                parent = hashlib.sha256(parent + array("q", req.prompt_token_ids[start:start + bs]).tobytes()).digest()
+                names.append(parent)
+            req.block_names = names
+        return req.block_names
+
+    def match_prefix(self, req: Request) -> int:
+        if req.kind is not RequestKind.GENERATE or req.num_computed_tokens or req.block_table:
+            return 0
+        limit = (req.num_prompt_tokens - 1) // self.block_size  # NOTE: the last prompt token is always computed
+        for name in self.block_names(req)[:limit]:
+            block = self.block_of.get(name)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            req.block_table.append(block)
+        req.num_computed_tokens = len(req.block_table) * self.block_size
+        req.num_registered_blocks = len(req.block_table)
+        if not req.num_preemptions:  # NOTE: a re-admitted victim finding its own blocks again is no new hit
+            self.num_hit_tokens += req.num_computed_tokens
+        return req.num_computed_tokens
+
+    def unmatch(self, req: Request) -> None:
+        if not req.num_preemptions:
+            self.num_hit_tokens -= req.num_computed_tokens
+        self.free(req)
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+
+    def cache_computed(self, req: Request) -> None:
+        if req.kind is not RequestKind.GENERATE:
+            return
+        full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
+        if full <= req.num_registered_blocks:
+            return
+        names = self.block_names(req)
+        for i in range(req.num_registered_blocks, full):
+            block, name = req.block_table[i], names[i]
+            if name not in self.block_of and block not in self.name_of:  # another request may have named it first
+                self.block_of[name] = block
+                self.name_of[block] = name
+        req.num_registered_blocks = full
+
+    def _take(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)  # type: ignore[call-arg]
+        name = self.name_of.pop(block, None)
+        if name is not None:  # evicted: its content is about to be overwritten
+            del self.block_of[name]
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} released more often than taken"
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None  # type: ignore[index]
+            if block not in self.name_of:  # nothing worth keeping: reuse it first
+                self.free_blocks.move_to_end(block, last=False)  # type: ignore[attr-defined]

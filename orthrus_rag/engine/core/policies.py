@@ -9,7 +9,8 @@ cap. The scheduler fills the lanes in order, then hands any budget still left to
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,18 +18,33 @@ from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.core.request import Request
 
 
-class SchedulerView(Protocol):
-    """What a policy reads of the scheduler, and all it may: read-only (so policies never import the scheduler)."""
+class SchedulerQueues:
+    """The scheduler's queues, and all a policy may read of the scheduler (read-only to a policy). `Scheduler`
+    (scheduler.py) extends it, so the policies never import the scheduler."""
 
-    config: SchedulerConfig
-    running: list[Request]
-    waiting: Sequence[Request]
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._pending: dict[bool, list[Request]] | None = None  # pending() snapshots while a step is scheduled
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # started decoder requests, oldest first
 
     def pending(self, embed: bool) -> list[Request]:
-        """Requests of one kind still to schedule: in-flight chunked ones first, then waiting ones."""
+        """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission
+        order), then waiting ones (arrival order; preempted requests were put back at the front)."""
+        if self._pending is not None and embed in self._pending:
+            return self._pending[embed]  # NOTE: one snapshot per step: policies ask several times
+        inflight = [r for r in self.running if r.is_embed == embed and not r.is_decoding]
+        pending = inflight + [r for r in self.waiting if r.is_embed == embed]
+        if self._pending is not None:
+            self._pending[embed] = pending
+        return pending
 
     def remaining_cost(self, reqs: list[Request]) -> int:
-        """Budget tokens `reqs` still need."""
+        """Budget tokens `reqs` still need (encoder tokens weighted by their relative cost)."""
+        return sum(self._encoder_cost(r) if r.on_encoder else r.num_remaining_tokens for r in reqs)
+
+    def _encoder_cost(self, req: Request) -> int:
+        return max(1, math.ceil(req.num_tokens * self.config.encoder_token_weight))
 
 
 @dataclass
@@ -39,21 +55,21 @@ class Lane:
 
 class Policy(Protocol):
     name: str
-    sizes_steps_by_cost: bool  # steps with decodes sized by predicted time (engine/step_cost.py), not tokens only
+    sizes_steps_by_cost: bool  # steps with decodes sized by predicted time (engine/core/step_cost.py), not tokens only
 
-    def step_kinds(self, sched: SchedulerView) -> tuple[bool, bool]:
+    def step_kinds(self, sched: SchedulerQueues) -> tuple[bool, bool]:
         """(embedding work allowed, generation work allowed) this step."""
 
-    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerQueues, residual: int) -> list[Lane]:
         """Candidate lists with caps, filled in order (kinds not allowed this step are skipped)."""
 
-    def fallback(self, sched: SchedulerView) -> list[Request]:
+    def fallback(self, sched: SchedulerQueues) -> list[Request]:
         """Who may use budget the lanes left over."""
 
-    def reserved_seqs(self, sched: SchedulerView) -> int:
+    def reserved_seqs(self, sched: SchedulerQueues) -> int:
         """Sequence slots (of max_num_seqs) that running decodes may not take this step."""
 
-    def step_cap(self, sched: SchedulerView, cap: int, used: int) -> int:
+    def step_cap(self, sched: SchedulerQueues, cap: int, used: int) -> int:
         """This step's budget once its decodes (`used` budget tokens) are in, given the scheduler's `cap`."""
 
 
@@ -64,7 +80,7 @@ def _interleave(a: list[Request], b: list[Request]) -> list[Request]:
     return out
 
 
-def _urgent(sched: SchedulerView) -> list[Request]:
+def _urgent(sched: SchedulerQueues) -> list[Request]:
     """Pending latency-critical work (priority < 0), embeddings first."""
     return [r for r in sched.pending(embed=True) + sched.pending(embed=False) if r.priority < 0]
 
@@ -73,16 +89,16 @@ class _Base:
     name = "base"
     sizes_steps_by_cost = False  # NOTE: the baselines keep their published rule, a fixed token budget
 
-    def step_kinds(self, sched: SchedulerView) -> tuple[bool, bool]:
+    def step_kinds(self, sched: SchedulerQueues) -> tuple[bool, bool]:
         return True, True
 
-    def fallback(self, sched: SchedulerView) -> list[Request]:
+    def fallback(self, sched: SchedulerQueues) -> list[Request]:
         return _interleave(sched.pending(embed=True), sched.pending(embed=False))
 
-    def reserved_seqs(self, sched: SchedulerView) -> int:
+    def reserved_seqs(self, sched: SchedulerQueues) -> int:
         return 0
 
-    def step_cap(self, sched: SchedulerView, cap: int, used: int) -> int:
+    def step_cap(self, sched: SchedulerQueues, cap: int, used: int) -> int:
         return cap
 
 
@@ -98,7 +114,7 @@ class OrthrusPolicy(_Base):
         self.min_share = min_share
         self._carry = 0.0  # fractional embedding tokens owed from earlier steps
 
-    def reserved_seqs(self, sched: SchedulerView) -> int:
+    def reserved_seqs(self, sched: SchedulerQueues) -> int:
         # NOTE: measured on 2Wiki Iter-RetGen (200 questions at once): with every sequence slot held by decodes,
         # query embeddings waited behind the whole prompt backlog (retrieval p95 636 s). min_share also
         # guards the slots, not only the tokens.
@@ -107,7 +123,7 @@ class OrthrusPolicy(_Base):
         wanted = len(sched.pending(embed=True))
         return min(math.ceil(self.min_share * sched.config.max_num_seqs), wanted, sched.config.max_num_seqs - 1)
 
-    def step_cap(self, sched: SchedulerView, cap: int, used: int) -> int:
+    def step_cap(self, sched: SchedulerQueues, cap: int, used: int) -> int:
         urgent = _urgent(sched)
         if not urgent:
             return cap
@@ -118,7 +134,7 @@ class OrthrusPolicy(_Base):
         floor = math.ceil(self.min_share * sched.config.max_num_batched_tokens)
         return min(cap, used + sched.remaining_cost(urgent) + floor)
 
-    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerQueues, residual: int) -> list[Lane]:
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
         # NOTE: latency-critical work (priority < 0: e.g. the query a multi-hop chain waits on) first; a 30-token
         # query would otherwise get a sliver of the split beside 1,000-token prompts
@@ -150,7 +166,7 @@ class QueueLengthPriorityPolicy(_Base):
     def __init__(self, embed_priority: float = 1.0, generate_priority: float = 4.0) -> None:
         self.embed_priority, self.generate_priority = embed_priority, generate_priority
 
-    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerQueues, residual: int) -> list[Lane]:
         embed, prefill = sched.pending(embed=True), sched.pending(embed=False)
         lanes = [Lane(embed, residual), Lane(prefill, residual)]
         if len(prefill) * self.generate_priority > len(embed) * self.embed_priority:
@@ -163,11 +179,11 @@ class HeteroFCFSPolicy(_Base):
 
     name = "hetero-fcfs"
 
-    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerQueues, residual: int) -> list[Lane]:
         inflight = [r for r in sched.running if not r.is_decoding]
         return [Lane(inflight + list(sched.waiting), residual)]  # waiting is in arrival order
 
-    def fallback(self, sched: SchedulerView) -> list[Request]:
+    def fallback(self, sched: SchedulerQueues) -> list[Request]:
         return []
 
 
@@ -180,18 +196,18 @@ class UnifiedHomoPolicy(_Base):
     def __init__(self) -> None:
         self._last_embed = False
 
-    def step_kinds(self, sched: SchedulerView) -> tuple[bool, bool]:
+    def step_kinds(self, sched: SchedulerQueues) -> tuple[bool, bool]:
         has_e = bool(sched.pending(embed=True))
         has_g = bool(sched.pending(embed=False)) or any(r.is_decoding for r in sched.running)
         embed = has_e and (not has_g or not self._last_embed)
         self._last_embed = embed
         return embed, not embed
 
-    def lanes(self, sched: SchedulerView, residual: int) -> list[Lane]:
+    def lanes(self, sched: SchedulerQueues, residual: int) -> list[Lane]:
         # the scheduler drops the kind that this step does not allow
         return [Lane(sched.pending(embed=True), residual), Lane(sched.pending(embed=False), residual)]
 
-    def fallback(self, sched: SchedulerView) -> list[Request]:
+    def fallback(self, sched: SchedulerQueues) -> list[Request]:
         return []
 
 

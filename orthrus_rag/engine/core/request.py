@@ -48,7 +48,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    # prefix caching (engine/prefix_cache.py): names of the prompt's full blocks, and how many are registered
+    # prefix caching (engine/core/block_manager.py): names of the prompt's full blocks, and how many are registered
     block_names: list[bytes] | None = None
     num_registered_blocks: int = 0
     # runtime state owned by the runner (pooler accumulators, RNG); opaque to the scheduler

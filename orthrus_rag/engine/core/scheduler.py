@@ -13,15 +13,13 @@ finished requests leaving the queues and freeing their blocks. The engine only t
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.core.block_manager import BlockManager
-from orthrus_rag.engine.core.policies import Policy, make_policy
+from orthrus_rag.engine.core.policies import Policy, SchedulerQueues, make_policy
 from orthrus_rag.engine.core.request import Request, RequestStatus
 from orthrus_rag.engine.core.step_cost import StepCostModel, StepShape
 
@@ -68,13 +66,16 @@ class StepResult:
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why pooling failed (finished ones)
 
 
-class Scheduler:
+class Scheduler(SchedulerQueues):
+    """The queues (`SchedulerQueues`, what the policies read) and the registry of live requests; schedules each
+    step and applies its outcome."""
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  stop_checker: Callable[[Request], str | None] | None = None,
                  cost_model: StepCostModel | None = None) -> None:
-        self.config = config
+        super().__init__(config)
         self.block_manager = block_manager
-        # after a sampled token is appended: a finish reason or None (engine/detokenizer.py); None: never stops
+        # after a sampled token is appended: a finish reason or None (engine/text_io.py); None: never stops
         self.stop_checker = stop_checker or (lambda req: None)
         self.policy: Policy = make_policy(config.policy, config.min_share)
         # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
@@ -82,9 +83,6 @@ class Scheduler:
         self.cost_model = (cost_model if config.cost_budget is not False and self.policy.sizes_steps_by_cost
                            else None)
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
-        self._pending: dict[bool, list[Request]] | None = None  # pending() snapshots while a step is scheduled
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # started decoder requests, oldest first
         # every unfinished request by id: the one registry of request state (waiting, running, handed off)
         self.requests: dict[str, Request] = {}
 
@@ -168,9 +166,6 @@ class Scheduler:
                     result.streamed.append(req)
         return result
 
-    def _encoder_cost(self, req: Request) -> int:
-        return max(1, math.ceil(req.num_tokens * self.config.encoder_token_weight))
-
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Preemption by recompute: free the blocks, back to the head of the queue. A victim already given a
         chunk this step loses it (its tokens go back to the budget)."""
@@ -201,22 +196,6 @@ class Scheduler:
         out.num_batched_tokens += num_new
         out.budget_used += num_new
         return True
-
-    # ---- what the policies look at -------------------------------------------------------------------------
-    def pending(self, embed: bool) -> list[Request]:
-        """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission
-        order), then waiting ones (arrival order; preempted requests were put back at the front)."""
-        if self._pending is not None and embed in self._pending:
-            return self._pending[embed]  # NOTE: one snapshot per step: policies ask several times
-        inflight = [r for r in self.running if r.is_embed == embed and not r.is_decoding]
-        pending = inflight + [r for r in self.waiting if r.is_embed == embed]
-        if self._pending is not None:
-            self._pending[embed] = pending
-        return pending
-
-    def remaining_cost(self, reqs: list[Request]) -> int:
-        """Budget tokens `reqs` still need (encoder tokens weighted by their relative cost)."""
-        return sum(self._encoder_cost(r) if r.on_encoder else r.num_remaining_tokens for r in reqs)
 
     # ---- the step --------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

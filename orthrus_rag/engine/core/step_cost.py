@@ -8,7 +8,7 @@ prompt and embedding tokens fit beside a step's decodes before the step outgrows
 The model is linear in six features (1, decoder tokens, attention pairs Σ new x keys in thousands, encoder
 tokens, rows under a LoRA adapter, distinct adapters in the step: each adapter adds small products to every
 targeted layer), fitted by recursive least squares with forgetting, so it follows the machine it runs on: first from a
-few timed steps at start-up (engine/calibration.py), then from every measured step.
+few timed steps at start-up (engine/executor/calibration.py), then from every measured step.
 """
 
 from __future__ import annotations

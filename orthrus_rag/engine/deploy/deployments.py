@@ -96,7 +96,7 @@ class _ProcessDeployment:
                     inbox.put(dumps(("abort", batch)))
             raise
 
-    # ---- the ServingClient protocol (orthrus_rag.engine.clients): one request at a time -----------------------
+    # ---- one request at a time, for the DeploymentClient that owns it (engine/clients/) ----------------------
     def submit(self, kind: str, request_id: str, input: str | Sequence[int],
                params: SamplingParams | PoolingParams | None) -> None:
         """Send one request to the worker its kind routes to; its output comes back from `poll`. NOTE: do not

@@ -1,40 +1,20 @@
-"""What the deployments share: the `Deployment` protocol, work items, errors, and how a worker builds its engine
-(from a picklable `EngineConfig`: made by `orthrus_rag.engine.options.engine_config`, or by the CLI's
-`app_config.engine_config_from`)."""
+"""What the deployments share: work items, errors, and how a worker builds its engine
+(from a picklable `EngineConfig`, made by orthrus_rag/config/build.py)."""
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from orthrus_rag.config import EngineConfig
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from orthrus_rag.engine.engine import Engine
 
 Inputs = str | Sequence[str | Sequence[int]]
-
-
-@runtime_checkable
-class Deployment(Protocol):
-    """One way to serve a mixed workload: the in-process `Engine`, `DedicatedDeployment`, `DisaggPDDeployment`."""
-
-    def run(self, prompts: Inputs = (), sampling_params: SamplingParams | None = None, texts: Inputs = (),
-            pooling_params: PoolingParams | None = None) -> tuple[list[GenerationOutput], list[EmbeddingOutput]]:
-        """Serve generations and embeddings submitted together; outputs in input order."""
-        ...
-
-    def shutdown(self) -> None:
-        """Release workers (idempotent)."""
-        ...
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(self, *exc: object) -> None: ...
 
 
 def build_engine_for(config: EngineConfig, num_threads: int) -> "Engine":

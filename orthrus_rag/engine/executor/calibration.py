@@ -1,4 +1,4 @@
-"""Start-up calibration of the step-cost model (engine/step_cost.py): a few timed forwards of the real model."""
+"""Start-up calibration of the step-cost model (engine/core/step_cost.py): a few timed forwards of the real model."""
 
 from __future__ import annotations
 

@@ -7,16 +7,18 @@ step. The runner never decides who runs.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
+from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.core.request import Request
 from orthrus_rag.engine.core.scheduler import SchedulerOutput
 from orthrus_rag.engine.executor.cuda_graphs import DecodeGraphs
-from orthrus_rag.engine.executor.step_timer import run_timed
 from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, grouped, select_backend
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_available
@@ -46,15 +48,16 @@ class RunnerOutput:
     num_adapter_generate_rows: int = 0  # generation rows under a LoRA adapter
     num_adapter_embed_rows: int = 0  # embedding rows under a LoRA adapter
     num_adapters: int = 0  # distinct adapters with rows in the forward
-    seconds: float | None = None  # the step's time on the device (engine/step_timer.py): what the cost model fits
+    seconds: float | None = None  # the step's time on the device (`run_timed` below): what the cost model fits
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, encoder: torch.nn.Module | None = None, max_num_batched_tokens: int = 2048,
-                 attention_backend: str = "auto", cuda_graphs: bool = False, max_seq_len: int = 0,
-                 cpu_decode_kernel: bool = False, eos_token_id: int | None = None,
-                 cpu_prefill_kernel: bool = False, cpu_sample_kernel: bool = False) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, dtype: torch.dtype,
+                 encoder: torch.nn.Module | None = None, max_seq_len: int = 0, eos_token_id: int | None = None) -> None:
+        """`num_blocks` KV blocks of `config.cache.block_size` tokens in `dtype` (the model's); the kernels and the
+        attention backend as `config.model` chooses them; steps of at most `config.scheduler`'s token budget."""
+        mc, device = config.model, torch.device(config.model.device)
+        block_size, max_num_batched_tokens = config.cache.block_size, config.scheduler.max_num_batched_tokens
         self.model = model
         self.eos_token_id = eos_token_id  # what a constrained row whose grammar allows nothing is left with
         self.vocab_size = int(model.lm_head.weight.shape[0])  # the logits' width (the grammar masks')
@@ -62,14 +65,14 @@ class ModelRunner:
         self.encoder = encoder
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(use_kernel=cpu_sample_kernel and device.type == "cpu")
+        self.sampler = Sampler(use_kernel=mc.cpu_sample_kernel and device.type == "cpu")
         if self.sampler.use_kernel:
             kernels()  # NOTE: the extension is built here, at start-up, not in the first sampled step
         self.windows = {layer.window for layer in model.attention_layers}
-        self.attn_backend = select_backend(attention_backend, device, dtype, model.attention_layers[0].head_dim)
+        self.attn_backend = select_backend(mc.attention_backend, device, dtype, model.attention_layers[0].head_dim)
         self.num_slots = num_blocks * block_size
         # NOTE: rows past the paged region take the K/V of tokens the cache does not keep (an embedding's final
-        # chunk), one per token of a step, so attention reads every key from the cache (attention/metadata.py)
+        # chunk), one per token of a step, so attention reads every key from the cache (layers/context.py)
         self.max_num_batched_tokens = max_num_batched_tokens
         rows = self.num_slots + max_num_batched_tokens
         # NOTE: zeros, not empty: padded key positions are masked, but 0 * NaN garbage would still be NaN
@@ -78,13 +81,13 @@ class ModelRunner:
              torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
             for layer in model.attention_layers]
         # CPU, fp32 or bf16: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
-        self.decode_kernel = (cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.decode_kernel = (mc.cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                               and decode_kernel_available())
         # CPU, bf16 on AVX512-BF16: prompt and embedding chunks attend in a C++ kernel (attention/cpu_prefill.py)
-        self.prefill_kernel = (cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
+        self.prefill_kernel = (mc.cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
                                and prefill_kernel_available(dtype, model.attention_layers[0].head_dim))
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
-        if cuda_graphs and device.type == "cuda":
+        if mc.cuda_graphs and device.type == "cuda":
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.windows, self.num_slots,
                                               min(max_num_batched_tokens, 512), max_seq_len, device)
 
@@ -174,7 +177,8 @@ class ModelRunner:
                 sample_reqs.append(req)
             start += n
         grammars = [r.grammar for r in sample_reqs]
-        masks = self.masks.start(grammars, self.vocab_size)  # NOTE: filled while the forward runs
+        constrained = any(g is not None for g in grammars)  # NOTE: a step without grammars never enters structured/
+        masks = self.masks.start(grammars, self.vocab_size) if constrained else None  # filled while the forward runs
         hidden = self._forward(input_ids, meta, lora)
         out.num_decoder_forwards += 1
         out.num_adapters = len(lora)
@@ -194,12 +198,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             out.num_sampled_rows = len(grammars)
             out.num_constrained_rows = sum(g is not None for g in grammars)
-            keep_raw = any(r.grammar is not None and r.sampling_params.logprobs is not None for r in sample_reqs)
-            allowed = constrain(logits, grammars, self.eos_token_id, keep_raw,
-                                masks.result() if masks is not None else None)
+            allowed = logits
+            if constrained:
+                keep_raw = any(r.grammar is not None and r.sampling_params.logprobs is not None for r in sample_reqs)
+                allowed = constrain(logits, grammars, self.eos_token_id, keep_raw,
+                                    masks.result() if masks is not None else None)
             sampled = self.sampler(allowed, [r.sampling_params for r in sample_reqs], [r.rng for r in sample_reqs])
             drawn = sampled.tolist()
-            tokens = advance(grammars, drawn)
+            tokens = advance(grammars, drawn) if constrained else drawn
             if tokens != drawn:  # a grammar closed its output within its budget (structured/budget.py)
                 sampled = torch.tensor(tokens, dtype=sampled.dtype, device=sampled.device)
             out.sampled.update((r.req_id, tok) for r, tok in zip(sample_reqs, tokens))
@@ -244,3 +250,28 @@ class ModelRunner:
         for req, n in zip(reqs, seq_lens):
             self._finish_pool(req, lambda h=hidden[start:start + n], r=req: pool_whole(h, r.pooling_params), out)
             start += n
+
+
+T = TypeVar("T")
+
+
+# How long one runner step takes on its device: what the step-cost model (engine/core/step_cost.py) learns from.
+#
+# CUDA runs kernels asynchronously, so a host clock read when a step's launches return measures launch time, not
+# step time: an embedding-only step returns before its GEMMs finish (calibration is made of such steps). On CUDA a
+# step is therefore bracketed by two CUDA events on the device's current stream and the end event is waited for;
+# the wait sits at the step boundary, where a step that samples tokens synchronises anyway (`.tolist()`). On
+# other devices execution is synchronous and the host clock is the step time.
+def run_timed(device: torch.device, fn: Callable[[], T]) -> tuple[T, float]:
+    """`fn()` and the seconds it took on `device` (CUDA: event to event, the end waited for)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        result = fn()
+        return result, time.perf_counter() - start
+    stream = torch.cuda.current_stream(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record(stream)
+    result = fn()
+    end.record(stream)
+    end.synchronize()  # NOTE: elapsed_time needs both events completed; this is the step-boundary sync
+    return result, begin.elapsed_time(end) / 1e3

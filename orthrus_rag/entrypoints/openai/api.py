@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,9 +20,7 @@ from orthrus_rag.entrypoints.openai.schemas import (ChatCompletionRequest, Compl
 from orthrus_rag.entrypoints.openai.service import OpenAIService
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 MAX_BODY_BYTES = 16 << 20  # a body past this is refused (413) before it is parsed
-DISCONNECT_POLL_S = 0.25
 
 
 def build_app(client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
@@ -81,19 +77,19 @@ def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1
 
     @app.post("/v1/embeddings", dependencies=v1)
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
-        return JSONResponse(await service.embeddings(body, _until_disconnect(request)))
+        return JSONResponse(await service.embeddings(body, request.is_disconnected))
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.stream:
             return _sse(generation.sse_events(await generation.completions_stream(service, body)))
-        return JSONResponse(await generation.completions(service, body, _until_disconnect(request)))
+        return JSONResponse(await generation.completions(service, body, request.is_disconnected))
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         if body.stream:
             return _sse(generation.sse_events(await generation.chat_stream(service, body)))
-        return JSONResponse(await generation.chat(service, body, _until_disconnect(request)))
+        return JSONResponse(await generation.chat(service, body, request.is_disconnected))
 
 
 def _authorizer(api_key: str | None):
@@ -110,24 +106,6 @@ def _authorizer(api_key: str | None):
 def _sse(events: Any) -> StreamingResponse:
     # NOTE: Starlette cancels the body iterator when the client disconnects; the engine request is then aborted
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _until_disconnect(request: Request):
-    """Run a coroutine, cancelling it (and so aborting its engine requests) if the client goes away first."""
-    async def run(coro: Awaitable[T]) -> T:
-        task = asyncio.ensure_future(coro)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    task.cancel()
-                    raise OpenAIError(499, "the client closed the connection", code="client_closed")
-        finally:
-            if not task.done():
-                task.cancel()
-    return run
 
 
 ENDPOINT_KINDS = {"/v1/embeddings": "embeddings", "/v1/completions": "completions", "/v1/chat/completions": "chat"}

@@ -5,12 +5,15 @@ polling); request metrics come from each output's `RequestMetrics` when the serv
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from orthrus_rag.engine.stats import StepStats
+from orthrus_rag.outputs import StepStats
 from orthrus_rag.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from orthrus_rag.engine.core.block_manager import BlockManager
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_BUCKETS = (0, 1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -18,7 +21,7 @@ STEP_KINDS = ("embed", "prefill", "decode", "encoder")
 
 
 class ServerMetrics:
-    def __init__(self, client: Any, pending: Any = None, block_manager: Any = None) -> None:
+    def __init__(self, client: Any, pending: Any = None, block_manager: BlockManager | None = None) -> None:
         """`client`: the served `EngineClient` (its step observers); `pending`: a callable giving the number of
         unfinished requests; `block_manager`: the in-process engine's, whose KV blocks the gauges read."""
         self.registry = r = CollectorRegistry()

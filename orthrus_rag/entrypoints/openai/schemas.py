@@ -46,7 +46,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # output constraints (entrypoints/openai/structured.py): OpenAI's response_format, vLLM's extra fields
+    # output constraints (entrypoints/openai/generation.py): OpenAI's response_format, vLLM's extra fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -26,7 +26,7 @@ def resolve_api_key(api_key: str | None) -> str | None:
 
 def serve(cfg: Any) -> None:
     """`orthrus-rag serve`: build the engine from the composed config and serve it until interrupted."""
-    from orthrus_rag.app_config import validate
+    from orthrus_rag.entrypoints.checks import validate
     from orthrus_rag.entrypoints.clients import build_client
 
     validate(cfg)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from orthrus_rag.engine.async_engine import EngineQueueFull, EngineShutdown, EngineUnavailable, RequestAborted
+from orthrus_rag.engine.clients.protocol import EngineQueueFull, EngineShutdown, EngineUnavailable, RequestAborted
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import GenerationOutput
@@ -27,6 +27,8 @@ from orthrus_rag.entrypoints.openai.schemas import MAX_INPUTS, MAX_TEXT_CHARS, E
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.25  # how often a waiting request asks whether its client is still there
+Disconnected = Callable[[], Awaitable[bool]]  # whether the client went away (e.g. Starlette's request.is_disconnected)
 
 
 @dataclass
@@ -105,8 +107,7 @@ class OpenAIService:
         return self.models.generators[model]
 
     # ---- embeddings -----------------------------------------------------------------------------------------
-    async def embeddings(self, req: EmbeddingRequest, run: Callable[[Awaitable[T]], Awaitable[T]] | None = None,
-                         ) -> dict[str, Any]:
+    async def embeddings(self, req: EmbeddingRequest, disconnected: Disconnected | None = None) -> dict[str, Any]:
         if req.model not in self.models.embedding:
             raise _unknown_model(req.model, list(self.models.embedding))
         inputs = _as_inputs(req.input, "input")
@@ -118,7 +119,7 @@ class OpenAIService:
             raise bad_request(f"dimensions={req.dimensions} is not supported: {req.model} gives {width}-dimensional "
                               "vectors", "dimensions")
         self.reserve(len(inputs))
-        outs = await self.guard(self.client.embed_many(inputs, params), run)
+        outs = await self.guard(self.client.embed_many(inputs, params), disconnected)
         data, tokens = [], 0
         for i, out in enumerate(outs):
             vector = out.embedding.detach().float().cpu().numpy().astype("<f4")
@@ -138,7 +139,7 @@ class OpenAIService:
                         ) -> SamplingParams:
         """OpenAI defaults: temperature 1, top_p 1; `n` samples differ by seed (seed + index when one is given);
         `logprobs`: the top tokens to report per position (None: no log-probabilities); `structured`: the output
-        constraint (entrypoints/openai/structured.py)."""
+        constraint (entrypoints/openai/generation.py)."""
         try:
             return SamplingParams(max_tokens=max_tokens or self.default_max_tokens,
                                   temperature=1.0 if temperature is None else temperature,
@@ -149,7 +150,7 @@ class OpenAIService:
             raise bad_request(str(exc)) from None
 
     async def generate_many(self, prompt: str | list[int], params: Sequence[SamplingParams],
-                            run: Callable[[Awaitable[T]], Awaitable[T]] | None = None) -> list[GenerationOutput]:
+                            disconnected: Disconnected | None = None) -> list[GenerationOutput]:
         """One prompt, one request per params (n samples), submitted together."""
         self.reserve(len(params))
 
@@ -162,7 +163,7 @@ class OpenAIService:
                     t.cancel()
                 raise
 
-        outs = await self.guard(_all(), run)
+        outs = await self.guard(_all(), disconnected)
         for out in outs:
             self.observe_generation(out)
         return outs
@@ -210,14 +211,13 @@ class OpenAIService:
             raise bad_request(f"this request needs {n} engine requests (one per input, prompt and choice); the "
                               f"server takes at most {limit} at a time (deploy.max_in_flight): split it")
         if pending + n > limit:
-            raise OpenAIError(429, f"the server is busy ({pending} requests pending, the limit is {limit}); retry "
-                              "later", "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise _queue_full(f"the server is busy ({pending} requests pending, the limit is {limit}); retry later")
 
-    async def guard(self, coro: Awaitable[T], run: Callable[[Awaitable[T]], Awaitable[T]] | None = None) -> T:
-        """Await `coro` (through `run`, e.g. one that cancels it when the client disconnects), mapping engine
-        failures to OpenAIError."""
+    async def guard(self, coro: Awaitable[T], disconnected: Disconnected | None = None) -> T:
+        """Await `coro`, mapping engine failures to OpenAIError; with `disconnected`, polled while it runs, cancel it
+        (and so abort its engine requests) if the client goes away first."""
         try:
-            return await (run(coro) if run is not None else coro)
+            return await (coro if disconnected is None else _until_disconnect(coro, disconnected))
         except (ValueError, TypeError, EngineQueueFull, EngineShutdown, EngineUnavailable, RequestAborted,
                 RuntimeError) as exc:
             raise self._map_error(exc) from None
@@ -228,8 +228,7 @@ class OpenAIService:
         if isinstance(exc, (ValueError, TypeError)):
             return bad_request(str(exc))
         if isinstance(exc, EngineQueueFull):
-            return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            return _queue_full(str(exc))
         if isinstance(exc, EngineUnavailable):
             return OpenAIError(503, str(exc), "server_error", code="replica_unavailable",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -278,3 +277,23 @@ def vector_of(data: Any) -> np.ndarray:
     if isinstance(data, str):
         return np.frombuffer(base64.b64decode(data), dtype="<f4")
     return np.asarray(data, dtype=np.float32)
+
+
+def _queue_full(message: str) -> OpenAIError:
+    """The retryable 429: more requests than the client admits at once (here, or its own EngineQueueFull)."""
+    return OpenAIError(429, message, "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _until_disconnect(coro: Awaitable[T], disconnected: Disconnected) -> T:
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await disconnected():
+                task.cancel()
+                raise OpenAIError(499, "the client closed the connection", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()

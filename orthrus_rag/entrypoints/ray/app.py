@@ -60,7 +60,7 @@ def _replica_options(cfg: Any) -> dict[str, Any]:
     `deploy.min_replicas` and `max_replicas`), `deploy.num_threads` threads and CPUs each (default 1)."""
     from dataclasses import replace
 
-    from orthrus_rag.app_config import engine_config_from
+    from orthrus_rag.config.build import engine_config_from
 
     d = cfg.deploy
     threads = d.num_threads or 1

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from orthrus_rag.engine.async_engine import EngineUnavailable
+from orthrus_rag.engine.clients.protocol import EngineUnavailable
 from orthrus_rag.engine.clients.protocol import InFlight, refuse_inside_event_loop
 from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput

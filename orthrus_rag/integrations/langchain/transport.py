@@ -11,7 +11,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.clients.protocol import EngineClient
@@ -31,23 +31,6 @@ class OrthrusAPIError(RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
-
-
-class Transport(Protocol):
-    generation_model: str
-    embedding_models: list[str]
-
-    def embed(self, texts: list[str], model: str, input_type: str | None = None) -> list[list[float]]: ...
-
-    async def aembed(self, texts: list[str], model: str, input_type: str | None = None) -> list[list[float]]: ...
-
-    def chat(self, payload: dict[str, Any]) -> dict[str, Any]: ...
-
-    async def achat(self, payload: dict[str, Any]) -> dict[str, Any]: ...
-
-    def chat_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]: ...
-
-    def achat_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
 
 # ---- in-process ------------------------------------------------------------------------------------------------

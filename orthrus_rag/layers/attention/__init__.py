@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from orthrus_rag.layers.attention import grouped, reference, varlen
-from orthrus_rag.layers.attention.metadata import AttentionMetadata, build_metadata, key_slots
+from orthrus_rag.layers.context import AttentionMetadata, build_metadata, key_slots
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "grouped", "reference", "varlen")

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from orthrus_rag.layers.attention.cpu_kernels import decode_attention, decode_kernel_available, write_kv
+from orthrus_rag.layers.attention.cpu_kernels import decode_attention, write_kv
 from orthrus_rag.layers.attention.cpu_prefill import Chunks, prefill_attention
-from orthrus_rag.layers.attention.metadata import AttentionMetadata, key_slots
+from orthrus_rag.layers.context import AttentionMetadata, key_slots
 
 # Cost of one group's attention in one layer, in microseconds, for planning (measured on a Xeon core, fp32,
 # SmolLM2 shapes: call overhead incl. gathers ~40 us; gathering + reading one key of K and V ~0.15 us; one
@@ -103,7 +103,7 @@ def _group(meta: AttentionMetadata, seqs: list[int], windows: set[int | None]) -
     out_rows = q_rows.index_select(0, valid) if padded else None
     group = Group(seqs, q_rows, key_slots(meta, seqs, width).flatten(), n_max, width, out_rows, valid)
     group.q_all = not padded and seqs == list(range(meta.num_seqs))
-    if n_max == 1 and meta.decode_kernel and q_rows.device.type == "cpu" and decode_kernel_available():
+    if n_max == 1 and meta.decode_kernel and q_rows.device.type == "cpu":
         group.lengths = torch.tensor([c + 1 for c in ctx], dtype=torch.long)
         return group  # the kernel reads the paged cache itself: no masks
     if not any(ctx) and not padded and windows == {None}:
@@ -139,7 +139,7 @@ def plan(meta: AttentionMetadata, windows: set[int | None]) -> GroupedPlan:
         chunks = _chunks(meta, chunked) if chunked else None
         seqs = [i for i in seqs if meta.query_lens[i] == 1]
     groups = []
-    if meta.decode_kernel and meta.slot_mapping.device.type == "cpu" and decode_kernel_available():
+    if meta.decode_kernel and meta.slot_mapping.device.type == "cpu":
         # NOTE: the kernel reads each sequence's own keys, so padding costs nothing there: all decodes are one
         # group, in flat-batch order (a decode-only step's queries are then q itself: no gather, no scatter)
         decodes = [i for i in seqs if meta.query_lens[i] == 1]

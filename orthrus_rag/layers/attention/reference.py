@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from orthrus_rag.layers.attention.metadata import AttentionMetadata, key_slots
+from orthrus_rag.layers.context import AttentionMetadata, key_slots
 
 
 def plan(meta: AttentionMetadata, windows: set[int | None]) -> None:

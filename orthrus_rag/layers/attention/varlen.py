@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 
-from orthrus_rag.layers.attention.metadata import AttentionMetadata, key_slots
+from orthrus_rag.layers.context import AttentionMetadata, key_slots
 
 
 @lru_cache(maxsize=1)

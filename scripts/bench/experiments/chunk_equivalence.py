@@ -37,9 +37,9 @@ def main(cfg: DictConfig, out: Path) -> None:
     torch.set_num_threads(cfg.threads.inproc)
     # NOTE: an exactness check of chunked pooling against transformers' fp32: fp32 on both sides, whatever "auto"
     # would pick on this CPU (bf16 rounding would hide what chunking does)
-    engine = Engine.from_pretrained(cfg.model, num_blocks=cfg.engine.num_blocks, dtype="float32",
+    engine = Engine.from_pretrained(cfg.model.name, num_blocks=cfg.cache.num_blocks, dtype="float32",
                                     max_num_batched_tokens=max(x.chunk_sizes), max_chunk_tokens=max(x.chunk_sizes))
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(cfg.model)), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(cfg.model.name)), dtype=torch.float32).eval()
     tok = engine.tokenizer
     rng = random.Random(cfg.seed)
     texts = {n: [make_text(rng, n) for _ in range(x.num_texts)] for n in {x.words, x.short_words}}

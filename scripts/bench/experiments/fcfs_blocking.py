@@ -21,7 +21,8 @@ GROUP = "burst"
 def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
     x = cfg.experiment
     burst = fcfs_blocking(x.num_generate, x.num_embed, workload(cfg), x.long_max_tokens)
-    res = open_loop(session.client, burst, None, drain_timeout_s=x.drain_timeout_s, label=f"{session.name} burst")
+    res = session.run(open_loop(session.client, burst, None, drain_timeout_s=x.drain_timeout_s,
+                                 label=f"{session.name} burst"))
     return {GROUP: res}
 
 

@@ -23,8 +23,9 @@ from ..peer_client import PEERS
 from ..report import _fmt, _plt, _save, write_json
 
 logger = logging.getLogger(__name__)
-# the fields of bench.yaml's `engine:` node that every system's `orthrus-rag run` shares (as scheduler.<name>)
-APP_SCHEDULER_KEYS = ("max_num_batched_tokens", "max_chunk_tokens", "max_num_seqs", "min_share")
+# bench.yaml's nodes that every system's `orthrus-rag run` shares, key by key (they are the CLI's nodes); the model
+# is the app experiment's
+SHARED_NODES = ("cache", "scheduler")
 
 
 def cli() -> list[str]:
@@ -45,7 +46,12 @@ def app_overrides(cfg: DictConfig, run_dir: Path) -> list[str]:
     if x.limit is not None:
         data.append(f"dataset.limit={x.limit}")
     return [f"experiment={x.app_experiment}", *data, f"run_dir={run_dir}", "progress=false",
-            *(f"scheduler.{k}={cfg.engine[k]}" for k in APP_SCHEDULER_KEYS), *x.overrides]
+            *(f"{node}.{k}={_override_value(v)}" for node in SHARED_NODES for k, v in cfg[node].items()),
+            *x.overrides]
+
+
+def _override_value(value: object) -> str:
+    return "null" if value is None else str(value)
 
 
 def system_command(cfg: DictConfig, system: str, run_dir: Path) -> list[str] | None:

@@ -28,8 +28,8 @@ def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
         # a Poisson process over the window: draw more arrivals than expected, keep those inside it
         n = int(2 * float(rate) * x.duration_s) + 20
         schedule = [r for r in poisson(float(rate), n, x.embed_fraction, workload(cfg)) if r.arrival_s < x.duration_s]
-        out[str(rate)] = open_loop(session.client, schedule, x.duration_s, drain_timeout_s=x.drain_timeout_s,
-                                   label=f"{session.name} {rate}/s")
+        out[str(rate)] = session.run(open_loop(session.client, schedule, x.duration_s,
+                                               drain_timeout_s=x.drain_timeout_s, label=f"{session.name} {rate}/s"))
     return out
 
 

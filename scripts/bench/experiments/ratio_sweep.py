@@ -24,9 +24,10 @@ def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
         e, g = (float(v) for v in str(ratio).split(":"))
         if i and x.fresh_system_per_mix:
             session.reset()
-        res = closed_loop(session.client, mixed_stream(e / (e + g), workload(cfg), prefix=str(ratio)), x.clients,
-                          x.duration_s, drain_timeout_s=x.drain_timeout_s, label=f"{session.name} {ratio}",
-                          warmup_s=x.warmup_s)
+        stream = mixed_stream(e / (e + g), workload(cfg), prefix=str(ratio))
+        res = session.run(closed_loop(session.client, stream, x.clients, x.duration_s,
+                                      drain_timeout_s=x.drain_timeout_s, label=f"{session.name} {ratio}",
+                                      warmup_s=x.warmup_s))
         k = summarize(res)["kinds"]
         logger.info("%s %s: embed %.2f req/s (p95 %.2f s), generate %.2f req/s (p95 %.2f s)", session.name, ratio,
                     k["embed"]["throughput_rps"], k["embed"]["p95_s"], k["generate"]["throughput_rps"],

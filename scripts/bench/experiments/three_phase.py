@@ -24,8 +24,8 @@ def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:
     x = cfg.experiment
     phases = three_phase(x.per_phase, workload(cfg), tuple(x.fractions))
     reqs = [r for phase in phases for r in phase]
-    res = closed_loop(session.client, reqs, x.clients, None, drain_timeout_s=x.drain_timeout_s,
-                      label=f"{session.name} three-phase")
+    res = session.run(closed_loop(session.client, reqs, x.clients, None, drain_timeout_s=x.drain_timeout_s,
+                                  label=f"{session.name} three-phase"))
     return {GROUP: res}
 
 
@@ -63,7 +63,7 @@ def phase_stats(run: dict, budget: int) -> list[dict]:
 
 
 def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> None:
-    budget = cfg.engine.max_num_batched_tokens
+    budget = cfg.scheduler.max_num_batched_tokens
     stats = {system: phase_stats(runs[GROUP], budget) for system, runs in results.items()}
     write_json(out / "results.json", {"phases": stats, "runs": results})
     refs = [r for r in (cfg.baseline, first_peer(cfg, results)) if r and r in stats]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from orthrus_rag.engine.detokenizer import update_output
+from orthrus_rag.engine.text_io import update_output
 from orthrus_rag.engine.core.request import Request, RequestKind
 from orthrus_rag.params import SamplingParams
 
@@ -118,7 +118,7 @@ def test_stop_string_beats_length(tok: Any, eos: set[int]) -> None:
 
 
 def test_stream_text_only_grows_into_the_final_text(tok: Any, eos: set[int]) -> None:
-    from orthrus_rag.engine.detokenizer import stream_text
+    from orthrus_rag.engine.text_io import stream_text
 
     text = "Paris is the capital.\n\nQuestion: and Rome? Les élèves ont 20€."
     ids = tok.encode(text)

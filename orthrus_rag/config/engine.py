@@ -1,5 +1,5 @@
-"""Engine configuration as plain dataclasses. They import no Hydra, yet they are the CLI's config nodes
-(`model`, `cache`, `scheduler` in app_config.AppConf): every field is a CLI key by its own name, and the
+"""The engine's configuration as plain dataclasses. They import no Hydra, yet they are the CLI's config nodes
+(`model`, `cache`, `scheduler` of config/app.py's AppConf): every field is a CLI key by its own name, and the
 `__post_init__` checks below are the rules the CLI reports at compose time."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class ModelConfig:
     linear_kernel: str = "auto"
     # attention: "auto" (varlen flash on CUDA where torch has it, else grouped SDPA), "grouped", "reference"
     attention_backend: str = "auto"
-    cuda_graphs: bool = True  # on CUDA: decode-only steps replayed as CUDA graphs (engine/cuda_graphs.py)
+    cuda_graphs: bool = True  # on CUDA: decode-only steps replayed as CUDA graphs (engine/executor/cuda_graphs.py)
     compile_elementwise: bool = True  # on CUDA: rotary and SiLU-mul as torch.compile'd fused kernels
     cpu_decode_kernel: bool = True  # on CPU, fp32 or bf16: decode attention in a C++ kernel over the paged cache
     # on CPU, bf16 where the compiler targets AVX512-BF16: chunked-prefill attention in a C++ kernel (else SDPA)
@@ -103,7 +103,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (engine/core/block_manager.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
@@ -127,7 +127,7 @@ class SchedulerConfig:
     policy: str = "orthrus"  # a name in engine/core/policies.py POLICIES
     min_share: float = 0.1  # orthrus: least share of the residual budget for a non-empty kind
     encoder_token_weight: float = 0.25  # budget cost of one encoder token relative to one decoder token
-    # orthrus: size steps that carry decodes by predicted time (engine/step_cost.py) rather than by tokens alone:
+    # orthrus: size steps that carry decodes by predicted time (engine/core/step_cost.py) rather than by tokens alone:
     # at most `step_time_target` seconds, or (None) the decodes' own time x (1 + step_time_margin); a step
     # always has room for `min_step_tokens` and never more than max_num_batched_tokens.
     # None (auto): on CUDA, where a decode step's weights reads leave slack for other rows; off on CPU, where a
@@ -149,8 +149,8 @@ class SchedulerConfig:
         if not 0.0 <= self.min_share <= 0.5:
             raise ValueError(f"min_share must be in [0, 0.5], got {self.min_share}")
         # NOTE: the policy name is checked by the registry that owns the names (engine/core/policies.py
-        # check_policy, called by engine/options.py and app_config.engine_config_from), so this module imports
-        # nothing of the engine
+        # check_policy, called where an EngineConfig is made: config/build.py), so this module imports nothing of
+        # the engine
 
 
 @dataclass

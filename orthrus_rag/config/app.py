@@ -1,0 +1,122 @@
+"""The CLI's config nodes as structured configs (registered in Hydra's ConfigStore as `schema`), so typos and
+wrong types fail at compose time: the engine's own dataclasses (`model`, `cache`, `scheduler`: config/engine.py,
+a new engine field is a CLI key with no edit here) beside how it runs (`deploy`), what it answers (`dataset`,
+`retriever`, `pipeline`) and how it serves (`serve`). Their values are checked by checks.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orthrus_rag.config.engine import CacheConfig, ModelConfig, SchedulerConfig
+
+
+@dataclass
+class DatasetConf:
+    name: str = "synthetic"
+    path: str | None = None  # a local JSONL file (2Wiki / HotpotQA format); None: the hub (or the generator)
+    hub_id: str | None = None
+    split: str | None = None
+    limit: int | None = None  # the first N questions
+    num_questions: int = 60  # synthetic only
+    seed: int = 0  # synthetic only
+
+
+@dataclass
+class DeployConf:
+    """How the engine runs: one in-process engine, a two-process deployment of it (the baselines), or engine
+    replicas on Ray Serve (entrypoints/ray/)."""
+
+    mode: str = "engine"  # engine: one co-scheduled engine; dedicated / disagg-pd: two worker processes; ray
+    threads: list[int] | None = None  # torch threads per worker of a deployment (default 1 each)
+    num_threads: int | None = None  # the one in-process engine's torch threads (ray: each replica's); None: default
+    max_in_flight: int = 8192  # requests the async engine admits at once (more: EngineQueueFull / HTTP 429)
+    # ray: engine replicas behind one endpoint; each reserves `num_threads` CPUs (default 1)
+    replicas: int = 1
+    min_replicas: int | None = None  # both set: Ray Serve autoscales between them, by `target_ongoing_requests`
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 32.0
+    upscale_delay_s: float = 30.0  # autoscaling: how long the load must stay above (below) target before Ray
+    downscale_delay_s: float = 600.0  # adds (removes) a replica; Ray Serve's defaults
+    retries: int = 2  # a call whose replica died is sent again this many times (then: HTTP 503 / a failed question)
+    ray_address: str | None = None  # join this cluster ("auto", "ray://host:10001"); None: start a local Ray
+    ray_num_cpus: int | None = None  # the local Ray's CPUs; None: the machine's
+    gpus_per_replica: float = 0.0  # ray: GPUs each replica reserves (with model.device=cuda)
+
+
+@dataclass
+class RetrieverConf:
+    index_type: str = "flat"
+    k: int = 5
+    nlist: int = 64
+    nprobe: int = 8
+    hnsw_m: int = 32
+    index_dir: str | None = None  # load this prebuilt index (built by `orthrus-rag index`) instead of building
+    pooling: str = "mean"
+    query_instruction: str | None = None
+    # the LoRA adapter documents and queries embed under (a name in model.adapters or an embedding adapter's);
+    # None: the default route (the encoder, else the first embedding adapter, else the bare backbone)
+    adapter: str | None = None
+
+
+@dataclass
+class PipelineConf:
+    name: str = "iter_retgen"
+    iterations: int = 2
+    max_tokens: int = 96
+    temperature: float = 0.0
+    max_concurrency: int | None = None  # questions in flight; None: sized from the engine (see default_concurrency)
+    question_timeout_s: float | None = None  # a question unanswered this long is recorded as failed; None: no limit
+    chat_template: bool = True
+    # how the final iteration writes its answer: free | constrained ("... So the answer is X." forced by a
+    # grammar) | json ({"answer": ...}); see pipelines/answers.py
+    answer_format: str = "free"
+    # the LoRA adapter every generation runs under (a name in model.adapters); None: the base model
+    generation_adapter: str | None = None
+
+
+@dataclass
+class ServeConf:
+    """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (entrypoints/openai/)."""
+
+    host: str = "127.0.0.1"  # loopback by default; another address exposes the engine to the network
+    port: int = 8000
+    api_key: str | None = None  # None: the ORTHRUS_API_KEY environment variable, else no key
+    served_model_name: str | None = None  # the generation model's name in the API; None: model.name
+    default_max_tokens: int = 512  # when a request gives no max_tokens
+    log_level: str = "info"
+
+
+@dataclass
+class AppConf:
+    dataset: DatasetConf = field(default_factory=DatasetConf)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    deploy: DeployConf = field(default_factory=DeployConf)
+    retriever: RetrieverConf = field(default_factory=RetrieverConf)
+    pipeline: PipelineConf = field(default_factory=PipelineConf)
+    serve: ServeConf = field(default_factory=ServeConf)
+    # the run's folder (records.jsonl, summary.json, config.yaml, steps.jsonl, index/); a multirun: the sweep's
+    # folder, one subfolder per job
+    run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"
+    resume: str | None = None  # a run folder to continue: its recorded questions are skipped
+    # which failed questions a resume asks again: retryable (the serving system's failures: a replica that died,
+    # the question timeout), all, or none (every record stays as it is)
+    retry_failed: str = "retryable"
+    checkpoint_every: int = 100  # questions between rewrites of summary.json (and fsyncs of records.jsonl)
+    seed: int = 0
+    progress: bool = True
+
+
+RETRY_FAILED = ("retryable", "all", "none")
+
+# settings that change how a run goes, not what it computes: a resumed run may change them
+OPERATIONAL_KEYS = ("run_dir", "resume", "retry_failed", "progress", "checkpoint_every", "pipeline.max_concurrency",
+                    "pipeline.question_timeout_s", "deploy.num_threads", "deploy.max_in_flight", "deploy.retries",
+                    "deploy.upscale_delay_s", "deploy.downscale_delay_s")
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema", node=AppConf)
