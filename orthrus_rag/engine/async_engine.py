@@ -117,6 +117,9 @@ class AsyncEngine:
         self._ids = itertools.count()
         # engine-thread side
         self._loop_core = EngineLoop(engine)
+        # NOTE: the engine will step on a thread of its own: the OpenMP pool of the thread that built it (and builds
+        # this front end, e.g. LangChain's LocalOrthrus, whose event loop runs elsewhere) would only idle beside it
+        release_openmp_pool()
         self._outbox: list[tuple[_Sink, Any, bool]] = []
 
     @classmethod
@@ -255,8 +258,7 @@ class AsyncEngine:
             self._loop = loop
             self._stopped = loop.create_future()
             self._thread = threading.Thread(target=self._run, name="orthrus-async-engine", daemon=True)
-            # NOTE: the engine steps on its own thread from now on: the OpenMP pool this thread built (loading the
-            # model, embed_sync) would only idle beside the engine thread's and slow every pool down
+            # NOTE: and the binding thread's, built since (embed_sync ran here), for the same reason
             release_openmp_pool()
             self._thread.start()
 
