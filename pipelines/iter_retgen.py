@@ -23,7 +23,7 @@ from orthrus_rag.pipelines.answers import final_constraint, parse_final
 from orthrus_rag.pipelines.evaluate import answer_scores, recall_at_k
 from orthrus_rag.pipelines.prompts import build_prompt
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
-from orthrus_rag.retrievers.dense import DenseRetriever
+from orthrus_rag.retrievers.kinds import Retriever
 
 logger = logging.getLogger(__name__)
 PIPELINES = ("iter_retgen", "standard_rag", "no_retrieval")
@@ -77,7 +77,7 @@ class IterRetGen:
     requests are aborted (None: no limit); `answer_format`: free | constrained | json, how the final iteration
     writes its answer (answers.py)."""
 
-    def __init__(self, client: EngineClient, retriever: DenseRetriever | None, iterations: int = 2, k: int = 5,
+    def __init__(self, client: EngineClient, retriever: Retriever | None, iterations: int = 2, k: int = 5,
                  sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
                  question_timeout_s: float | None = None, answer_format: str = "free") -> None:

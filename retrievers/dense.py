@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from orthrus_rag.retrievers import store
 from orthrus_rag.retrievers.embedder import Embedder, batches
 from orthrus_rag.retrievers.faiss_index import (IndexSpec, build_index, configure, import_faiss, search_params,
                                                 to_cpu, to_device)
+from orthrus_rag.retrievers.passage_store import PassageStore, shard_name, write_shard
 
 logger = logging.getLogger(__name__)
 Hit = tuple[Passage, float]
@@ -22,17 +25,21 @@ Hit = tuple[Passage, float]
 class DenseRetriever:
     """Top-k passages by inner product (or L2 distance) of embeddings.
 
-    `index_type`: "flat" (exact), "ivf" (IndexIVFFlat; `nlist` lists, `nprobe` visited) or "hnsw"
-    (IndexHNSWFlat; `hnsw_m` neighbours). `use_gpu`: None uses FAISS GPUs when present, False never, True must.
-    Scores: inner product (higher is closer) or squared L2 distance (lower is closer), best first.
+    `index_type`: "flat" (exact), "ivf" (IndexIVFFlat; `nlist` lists, `nprobe` visited), "hnsw"
+    (IndexHNSWFlat; `hnsw_m` neighbours) or "factory" (`factory`: any faiss.index_factory string, trained on
+    `train_size` sampled vectors). `use_gpu`: None uses FAISS GPUs when present, False never, True must.
+    Scores: inner product (higher is closer) or squared L2 distance (lower is closer), best first. `passages`
+    is a list (built here) or a memory-mapped `PassageStore` (loaded, or built by index_build.py).
     """
 
     def __init__(self, embedder: Embedder, index_type: str = "flat", metric: str = "ip", nlist: int = 1024,
-                 nprobe: int = 16, hnsw_m: int = 32, ef_search: int = 64, use_gpu: bool | None = None) -> None:
+                 nprobe: int = 16, hnsw_m: int = 32, ef_search: int = 64, use_gpu: bool | None = None,
+                 factory: str | None = None, train_size: int = 131072) -> None:
         self.embedder = embedder
-        self.spec = IndexSpec(index_type, metric, nlist=nlist, nprobe=nprobe, hnsw_m=hnsw_m, ef_search=ef_search)
+        self.spec = IndexSpec(index_type, metric, nlist=nlist, nprobe=nprobe, hnsw_m=hnsw_m, ef_search=ef_search,
+                              factory=factory, train_size=train_size)
         self.use_gpu = use_gpu
-        self.passages: list[Passage] = []
+        self.passages: Sequence[Passage] = []
         self.index: Any = None
         self.on_gpu = False
         self.dimension: int | None = None
@@ -107,26 +114,28 @@ class DenseRetriever:
 
     # ---- persistence ------------------------------------------------------------------------------------
     def save(self, folder: str | Path) -> None:
-        """Write `index.faiss`, `passages.jsonl` and `manifest.json` into `folder` (created if needed)."""
+        """Write `index.faiss`, the passages (`passages/`, one Arrow shard) and `manifest.json` into `folder`."""
         if self.index is None:
             raise RuntimeError("nothing to save; call build() first")
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        (folder / store.PASSAGES_DIR).mkdir(parents=True, exist_ok=True)
         faiss = import_faiss()
         faiss.write_index(to_cpu(self.index, self.on_gpu), str(folder / store.INDEX_FILE))
-        store.write_passages(folder / store.PASSAGES_FILE, self.passages)
-        store.write_manifest(folder / store.MANIFEST_FILE, {
-            "format_version": store.FORMAT_VERSION,
-            "embedder": store.canonical(self.embedder.identity),
-            "index": self.spec.to_dict(),
-            "dimension": self.dimension,
-            "num_passages": len(self.passages),
-        })
+        if not (isinstance(self.passages, PassageStore) and self.passages.folder == folder / store.PASSAGES_DIR):
+            for old in (folder / store.PASSAGES_DIR).glob("shard-*.arrow"):
+                old.unlink()
+            write_shard(folder / store.PASSAGES_DIR / shard_name(0), list(self.passages))
+        store.write_manifest(folder / store.MANIFEST_FILE, store.manifest(
+            self.embedder.identity, self.spec.to_dict(), self.dimension, len(self.passages),
+            num_shards=len(list((folder / store.PASSAGES_DIR).glob("shard-*.arrow")))))
         logger.info("saved %d passages and a %s index to %s", len(self.passages), self.spec.index_type, folder)
 
     @classmethod
-    def load(cls, folder: str | Path, embedder: Embedder, use_gpu: bool | None = None) -> "DenseRetriever":
-        """Read a saved index; refuses (ValueError) missing or corrupt files and an embedder of another identity."""
+    def load(cls, folder: str | Path, embedder: Embedder, use_gpu: bool | None = None,
+             search: Mapping[str, int] | None = None) -> "DenseRetriever":
+        """Read a saved index; refuses (ValueError) missing or corrupt files and an embedder of another identity.
+
+        `search`: search-time settings to use instead of the saved ones (`nprobe`, `ef_search`)."""
         folder = Path(folder)
         store.check_folder(folder)
         manifest = store.read_manifest(folder / store.MANIFEST_FILE)
@@ -135,21 +144,24 @@ class DenseRetriever:
             raise ValueError(f"the index at {folder} was built by another embedder; differing fields:\n  "
                              + "\n  ".join(diff))
         try:
-            spec = IndexSpec(**manifest["index"])
+            spec = replace(IndexSpec(**manifest["index"]), **dict(search or {}))
         except TypeError as exc:
             raise ValueError(f"{folder / store.MANIFEST_FILE} is corrupt: bad index section ({exc})") from exc
+        faiss = import_faiss()
+        # NOTE: an index merged on disk keeps its lists in a file beside it, read through the page cache
+        flags = faiss.IO_FLAG_ONDISK_SAME_DIR if manifest.get("on_disk") else 0
         try:
-            cpu_index = import_faiss().read_index(str(folder / store.INDEX_FILE))
+            cpu_index = faiss.read_index(str(folder / store.INDEX_FILE), flags)
         except RuntimeError as exc:
             raise ValueError(f"{folder / store.INDEX_FILE} is corrupt: {exc}") from exc
-        passages = store.read_passages(folder / store.PASSAGES_FILE)
+        passages = store.open_passages(folder, manifest)
         n, d = int(manifest["num_passages"]), int(manifest["dimension"])
         if not (cpu_index.ntotal == len(passages) == n) or cpu_index.d != d:
             raise ValueError(f"{folder} is inconsistent: manifest says {n} passages of dimension {d}, the index "
-                             f"holds {cpu_index.ntotal} of dimension {cpu_index.d}, passages.jsonl has "
+                             f"holds {cpu_index.ntotal} of dimension {cpu_index.d}, the passage store has "
                              f"{len(passages)}")
         configure(cpu_index, spec)
-        retriever = cls(embedder, spec.index_type, spec.metric, use_gpu=use_gpu)
+        retriever = cls(embedder, spec.index_type, spec.metric, use_gpu=use_gpu, factory=spec.factory)
         retriever.spec, retriever.passages, retriever.dimension = spec, passages, d
         retriever.index, retriever.on_gpu = to_device(cpu_index, spec, use_gpu)
         return retriever

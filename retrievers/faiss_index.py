@@ -10,7 +10,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-INDEX_TYPES = ("flat", "ivf", "hnsw")
+INDEX_TYPES = ("flat", "ivf", "hnsw", "factory")
 METRICS = ("ip", "l2")
 MIN_POINTS_PER_CENTROID = 39  # NOTE: FAISS k-means warns below this many training points per list
 
@@ -43,55 +43,117 @@ class IndexSpec:
     hnsw_m: int = 32  # hnsw: neighbours per node
     ef_construction: int = 40  # hnsw: candidate list while building
     ef_search: int = 64  # hnsw: candidate list while searching (raised to k when k is larger)
+    # factory: any faiss.index_factory string ("IVF4096,PQ64", "OPQ64,IVF65536_HNSW32,PQ64", "HNSW32,Flat")
+    factory: str | None = None
+    # vectors an index that trains (ivf, or a factory string with IVF / PQ / OPQ) is trained on: a seeded sample,
+    # not the whole corpus (FAISS's guidance: 30 to 256 points per IVF list)
+    train_size: int = 131072
 
     def __post_init__(self) -> None:
         if self.index_type not in INDEX_TYPES:
             raise ValueError(f"unknown index_type {self.index_type!r}; expected one of {', '.join(INDEX_TYPES)}")
+        if (self.index_type == "factory") != bool(self.factory):
+            raise ValueError("retriever.factory (a faiss.index_factory string) goes with index_type=factory, and "
+                             f"only with it; got index_type={self.index_type!r}, factory={self.factory!r}")
         if self.metric not in METRICS:
             raise ValueError(f"unknown metric {self.metric!r}; expected one of {', '.join(METRICS)}")
-        for name in ("nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search"):
+        for name in ("nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search", "train_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def factory_string(self, n: int) -> str:
+        """The faiss.index_factory string of this spec for `n` vectors (ivf's nlist clipped to what `n` allows)."""
+        if self.index_type == "factory":
+            return str(self.factory)
+        if self.index_type == "flat":
+            return "Flat"
+        if self.index_type == "hnsw":
+            return f"HNSW{self.hnsw_m},Flat"
+        return f"IVF{clip_nlist(self, n)},Flat"
+
+
+def clip_nlist(spec: IndexSpec, n: int) -> int:
+    """ivf: at most one list per MIN_POINTS_PER_CENTROID vectors (FAISS k-means warns below); clips `spec` too."""
+    allowed = max(1, n // MIN_POINTS_PER_CENTROID)
+    if spec.nlist > allowed:
+        logger.warning("ivf: nlist %d is too many for %d passages; using %d (>= %d points per list)",
+                       spec.nlist, n, allowed, MIN_POINTS_PER_CENTROID)
+        spec.nlist = allowed
+    return spec.nlist
+
+
+def empty_index(spec: IndexSpec, d: int, n: int) -> Any:
+    """An untrained, empty CPU index for `n` vectors of width `d` (any spec, by its factory string)."""
+    faiss = import_faiss()
+    metric = faiss.METRIC_INNER_PRODUCT if spec.metric == "ip" else faiss.METRIC_L2
+    text = spec.factory_string(n)
+    try:
+        index = faiss.index_factory(d, text, metric)
+    except RuntimeError as exc:
+        raise ValueError(f"faiss.index_factory cannot build {text!r} for dimension {d}: "
+                         f"{str(exc).strip().splitlines()[-1]}") from exc
+    if spec.index_type == "hnsw":
+        index.hnsw.efConstruction = spec.ef_construction
+    return index
+
+
+def train(index: Any, sample: np.ndarray, spec: IndexSpec) -> None:
+    """Train `index` (when it needs it) on `sample`, at most `spec.train_size` vectors of the corpus."""
+    if index.is_trained:
+        return
+    n, name = len(sample), spec.factory or spec.index_type
+    logger.info("training the %s index on %d vectors", name, n)
+    try:
+        index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    except RuntimeError as exc:  # NOTE: e.g. PQ64 on 100 vectors: FAISS says how many it needs
+        raise ValueError(f"cannot train the {name} index on {n} vectors: "
+                         f"{str(exc).strip().splitlines()[-1]}") from exc
+
+
+def sample_rows(n: int, size: int, seed: int = 0) -> np.ndarray:
+    """Sorted row numbers of a seeded uniform sample of min(size, n) rows out of n."""
+    if size >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
+
 
 def build_index(vectors: np.ndarray, spec: IndexSpec) -> Any:
-    """A CPU index holding `vectors` (float32 [n, d]); trains IVF on them. May clip `spec.nlist` in place."""
-    faiss = import_faiss()
+    """A CPU index holding `vectors` (float32 [n, d]), trained on a sample of them. May clip `spec.nlist`."""
     n, d = vectors.shape
-    metric = faiss.METRIC_INNER_PRODUCT if spec.metric == "ip" else faiss.METRIC_L2
-    if spec.index_type == "flat":
-        index = faiss.IndexFlatIP(d) if spec.metric == "ip" else faiss.IndexFlatL2(d)
-    elif spec.index_type == "ivf":
-        allowed = max(1, n // MIN_POINTS_PER_CENTROID)
-        if spec.nlist > allowed:
-            logger.warning("ivf: nlist %d is too many for %d passages; using %d (>= %d points per list)",
-                           spec.nlist, n, allowed, MIN_POINTS_PER_CENTROID)
-            spec.nlist = allowed
-        quantizer = faiss.IndexFlatIP(d) if spec.metric == "ip" else faiss.IndexFlatL2(d)
-        index = faiss.IndexIVFFlat(quantizer, d, spec.nlist, metric)
-        index.train(vectors)
-    else:
-        index = faiss.IndexHNSWFlat(d, spec.hnsw_m, metric)
-        index.hnsw.efConstruction = spec.ef_construction
+    index = empty_index(spec, d, n)
+    train(index, vectors[sample_rows(n, spec.train_size)], spec)
     index.add(vectors)
     configure(index, spec)
     return index
 
 
+SEARCH_KNOBS = (("nprobe", "nprobe"), ("efSearch", "ef_search"), ("quantizer_efSearch", "ef_search"))
+
+
 def configure(index: Any, spec: IndexSpec) -> None:
-    """Set the search-time knobs stored on a CPU index (before any GPU copy, which inherits them)."""
-    if spec.index_type == "ivf":
-        index.nprobe = min(spec.nprobe, spec.nlist)
-    elif spec.index_type == "hnsw":
-        index.hnsw.efSearch = spec.ef_search
+    """Set the search-time knobs stored on a CPU index (before any GPU copy, which inherits them): nprobe of an
+    inverted file, efSearch of an HNSW graph (also the one over IVF centroids), for any factory string."""
+    faiss = import_faiss()
+    space = faiss.ParameterSpace()
+    ivf = faiss.try_extract_index_ivf(index)
+    for knob, field_name in SEARCH_KNOBS:
+        value = getattr(spec, field_name)
+        if knob == "nprobe":
+            if ivf is None:
+                continue
+            value = min(value, ivf.nlist)
+        try:
+            space.set_index_parameter(index, knob, value)
+        except RuntimeError:  # NOTE: the index has no such knob (a flat index has none)
+            continue
 
 
 def search_params(spec: IndexSpec, k: int) -> Any | None:
     """Per-call parameters: HNSW needs efSearch >= k. None keeps the index's own settings."""
-    if spec.index_type == "hnsw" and k > spec.ef_search:
+    if (spec.index_type == "hnsw" or (spec.factory or "").startswith("HNSW")) and k > spec.ef_search:
         return import_faiss().SearchParametersHNSW(efSearch=k)
     return None
 
@@ -116,7 +178,12 @@ def to_device(index: Any, spec: IndexSpec, use_gpu: bool | None) -> tuple[Any, b
         return index, False
     faiss = import_faiss()
     logger.info("moving the %s index to %d GPU(s)", spec.index_type, faiss.get_num_gpus())
-    return faiss.index_cpu_to_all_gpus(index), True
+    try:
+        return faiss.index_cpu_to_all_gpus(index), True
+    except RuntimeError as exc:  # NOTE: a factory string with a part FAISS has no GPU version of (HNSW, OPQ ...)
+        logger.warning("the %s index stays on the CPU: FAISS cannot copy it to a GPU (%s)",
+                       spec.factory or spec.index_type, str(exc).strip().splitlines()[-1])
+        return index, False
 
 
 def to_cpu(index: Any, on_gpu: bool) -> Any:

@@ -432,7 +432,6 @@ BUILDERS = {
     "build_pipeline": ("orthrus_rag.entrypoints.commands",),
     "run_labels": ("orthrus_rag.entrypoints.commands",),
     "RunSession": ("orthrus_rag.entrypoints.run_session",),
-    "build_corpus": ("orthrus_rag.data",),
 }
 
 
@@ -510,9 +509,9 @@ def server_trips(tracer: TripTracer, overrides: list[str], trips: list[str]) -> 
 def iter_retgen_trip(tracer: TripTracer, data: Path) -> Trip:
     """One 2Wiki question through Iter-RetGen as `orthrus-rag run dataset=2wiki` builds it (commands.run /
     _run_session's steps), question 0 as the warm-up, question 1 measured."""
-    validate, build_client, build_corpus, load_examples, build_retriever, build_pipeline, run_labels, RunSession = (
-        builder(name) for name in ("validate", "build_client", "build_corpus", "load_examples", "build_retriever",
-                                   "build_pipeline", "run_labels", "RunSession"))
+    validate, build_client, load_examples, build_retriever, build_pipeline, run_labels, RunSession = (
+        builder(name) for name in ("validate", "build_client", "load_examples", "build_retriever", "build_pipeline",
+                                   "run_labels", "RunSession"))
     with tempfile.TemporaryDirectory(prefix="trips-") as tmp:
         cfg = compose(["dataset=2wiki", f"dataset.path={data}", "dataset.limit=2", "pipeline.max_tokens=8",
                        "pipeline.max_concurrency=1", "progress=false", f"run_dir={tmp}/run"])
@@ -521,7 +520,7 @@ def iter_retgen_trip(tracer: TripTracer, data: Path) -> Trip:
         examples = load_examples(cfg)
         warm, measured = session.remaining(examples)[:2]
         client = build_client(cfg)
-        retriever = build_retriever(cfg, client, build_corpus(examples), session.folder / "index")
+        retriever = build_retriever(cfg, client, examples, session.folder / "index")
         pipeline = build_pipeline(cfg, client, retriever)
         session.labels = run_labels(cfg, client, pipeline.max_concurrency)
         stop_observing = client.observe_steps(session.observe)

@@ -16,9 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from orthrus_rag.engine.routing import EmbeddingSpace
-from orthrus_rag.outputs import StepStats
-from orthrus_rag.outputs import GenerationOutput
+from orthrus_rag.outputs import GenerationOutput, StepStats
+from orthrus_rag.params import EmbeddingSpace
 
 
 def answer_for(question: str) -> str:

@@ -20,7 +20,7 @@ from orthrus_rag.engine.core.policies import POLICIES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
-          for g in ("dataset", "model", "scheduler", "deploy", "retriever", "pipeline", "experiment")}
+          for g in ("dataset", "corpus", "model", "scheduler", "deploy", "retriever", "pipeline", "experiment")}
 
 
 def _compose(*overrides: str):
@@ -35,6 +35,11 @@ def test_every_group_option_composes_and_validates(group, option, tmp_path):
     if option == "2wiki_dev200":
         overrides.append(f"dataset.path={tmp_path / 'd.jsonl'}")
         (tmp_path / "d.jsonl").write_text("")
+    if group == "corpus" and option in ("jsonl", "files"):  # NOTE: these two name what they read
+        (tmp_path / "c.jsonl").write_text("")
+        overrides.append(f"corpus.path={tmp_path / 'c.jsonl' if option == 'jsonl' else tmp_path}")
+    if group == "corpus" and option == "hf":
+        overrides.append("corpus.hub_id=json")
     cfg = _compose(*overrides)
     validate(cfg)
     assert cfg.scheduler.policy in POLICIES

@@ -59,7 +59,7 @@ def packed_forward(encoder: BertEncoder, token_ids: list[list[int]]) -> list[tor
 
 
 def test_packed_matches_hf_bert(encoder, tokenizer, token_ids):
-    """Packed block-diagonal forward equals padded HF BertModel row-for-row."""
+    """Packed forward (attention inside each sequence) equals padded HF BertModel row-for-row."""
     hf = transformers.BertModel.from_pretrained(MODEL_PATH, add_pooling_layer=False).eval()
     batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
     with torch.inference_mode():

@@ -11,16 +11,16 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
+from orthrus_rag.data.types import QAExample
+from orthrus_rag.pipelines import IterRetGen
+from orthrus_rag.retrievers import EngineEmbedder
 
 from orthrus_rag import PoolingParams, SamplingParams
-from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.clients import ClientFailed, DeploymentClient, RequestFailed
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.deploy import WorkerError
 from orthrus_rag.engine.engine import EngineLoop, StepFailed
-from orthrus_rag.pipelines import IterRetGen
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, error_output
-from orthrus_rag.retrievers import EngineEmbedder
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
@@ -246,7 +246,7 @@ def test_a_deployment_client_embeds_like_the_engine_on_a_separate_encoder() -> N
     from orthrus_rag import Engine
     from orthrus_rag.engine.async_engine import AsyncEngine
     from orthrus_rag.engine.clients.deployment_client import encoder_pooling_of
-    from orthrus_rag.engine.routing import EmbeddingSpace
+    from orthrus_rag.params import EmbeddingSpace
     from tests.conftest import MINILM, SMOL, engine_overrides
 
     engine = Engine.from_pretrained(SMOL, embedding_model=MINILM, **engine_overrides())

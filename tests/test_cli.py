@@ -37,6 +37,13 @@ def no_models(monkeypatch):
     ("pipeline.generation_adapter=sql", "pipeline.generation_adapter: unknown adapter 'sql'"),
     ("retriever.adapter=emb", "retriever.adapter: unknown adapter 'emb'"),
     ("+model.adapters.sql=/nonexistent", "model.adapters.sql: no such folder"),
+    ("corpus=jsonl", "corpus=jsonl needs corpus.path"),
+    ("corpus=files", "corpus=files needs corpus.path"),
+    ("corpus.kind=csv", "unknown corpus kind 'csv'"),
+    ("corpus.limit=0", "corpus.limit must be at least 1"),
+    ("retriever.index_type=factory", "goes with index_type=factory"),
+    ("retriever.shard_size=0", "retriever.shard_size"),
+    ("retriever.train_size=0", "train_size must be at least 1"),
 ])
 def test_bad_values_fail_before_any_model_loads_and_leave_no_folder(override, named, tmp_path, no_models, capsys):
     run_dir = tmp_path / "run"

@@ -8,12 +8,11 @@ import inspect
 
 import pytest
 import torch
-
 from orthrus_rag.data.types import Passage, QAExample
+
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.clients import DeploymentClient, EngineClient, RemoteClient
-from orthrus_rag.engine.routing import EmbeddingSpace
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 from tests.conftest import SERVED_REFERENCE_TEXTS
 from tests.fake_engine import FakeEngine
 

@@ -15,10 +15,13 @@ pytest.importorskip("ray")
 from ray.exceptions import ActorDiedError, ActorUnavailableError  # noqa: E402
 
 from orthrus_rag.engine.clients.protocol import EngineUnavailable  # noqa: E402
-from orthrus_rag.engine.routing import EmbeddingSpace  # noqa: E402
 from orthrus_rag.entrypoints.ray.client import RayServeClient  # noqa: E402
 from orthrus_rag.outputs import GenerationOutput  # noqa: E402
-from orthrus_rag.params import PoolingParams, SamplingParams  # noqa: E402
+from orthrus_rag.params import (  # noqa: E402
+    EmbeddingSpace,  # noqa: E402
+    PoolingParams,
+    SamplingParams,
+)
 
 DIED = ActorDiedError()
 UNAVAILABLE = ActorUnavailableError("its node went away", None)

@@ -6,12 +6,12 @@ import asyncio
 import json
 import random
 import re
+import shutil
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from orthrus_rag.data.types import Passage
 from orthrus_rag.retrievers import INDEX_TYPES, DenseRetriever, Embedder, EngineEmbedder
 
@@ -98,9 +98,9 @@ def test_ivf_clips_nlist_to_the_corpus(corpus: list[Passage], caplog: pytest.Log
 
 
 def test_unknown_index_type_lists_the_types() -> None:
-    with pytest.raises(ValueError, match="flat, ivf, hnsw"):
+    with pytest.raises(ValueError, match="flat, ivf, hnsw, factory"):
         DenseRetriever(HashEmbedder(), index_type="annoy")
-    assert INDEX_TYPES == ("flat", "ivf", "hnsw")
+    assert INDEX_TYPES == ("flat", "ivf", "hnsw", "factory")
 
 
 def test_k_checks(flat: DenseRetriever) -> None:
@@ -122,7 +122,7 @@ def test_save_load_round_trip(index_type: str, corpus: list[Passage], tmp_path: 
     loaded = DenseRetriever.load(tmp_path / "idx", HashEmbedder())
     queries = ["alpha3 beta3", "common1 common2 gamma42", "beta199"]
     assert loaded.batch_search(queries, k=4) == retriever.batch_search(queries, k=4)
-    assert loaded.spec == retriever.spec and loaded.passages == corpus
+    assert loaded.spec == retriever.spec and list(loaded.passages) == corpus
     manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
     assert manifest["num_passages"] == 200 and manifest["dimension"] == DIM
     assert manifest["embedder"]["model"] == "hash-bow" and manifest["index"]["index_type"] == index_type
@@ -146,8 +146,8 @@ def test_load_refuses_missing_or_corrupt_files(flat: DenseRetriever, tmp_path: P
     (tmp_path / "manifest.json").write_text("{")
     with pytest.raises(ValueError, match="corrupt"):
         DenseRetriever.load(tmp_path, HashEmbedder())
-    (tmp_path / "passages.jsonl").unlink()
-    with pytest.raises(ValueError, match="missing passages.jsonl"):
+    shutil.rmtree(tmp_path / "passages")
+    with pytest.raises(ValueError, match="missing passages/"):
         DenseRetriever.load(tmp_path, HashEmbedder())
 
 

@@ -30,8 +30,7 @@ def test_adapter_folder_loads_with_its_card() -> None:
 
 # ---- its prefixes, applied by the engine ----------------------------------------------------------------------
 def test_the_space_fills_in_an_adapters_prefix_by_input_type() -> None:
-    from orthrus_rag.engine.routing import EmbeddingSpace
-    from orthrus_rag.params import PoolingParams
+    from orthrus_rag.params import EmbeddingSpace, PoolingParams
 
     space = EmbeddingSpace("m", "enc", ("a",), {"a": 1}, adapter_prefixes={"a": {"query": "q: ", "document": "d: "}})
     assert space.formatted(PoolingParams(adapter="a", input_type="query")).instruction == "q: "
@@ -78,10 +77,10 @@ def test_the_engine_prefixes_queries_and_documents_for_the_adapter(backbone) -> 
 @pytest.mark.slow
 def test_over_http_the_server_prefixes_by_input_type(backbone) -> None:
     import openai
+    from orthrus_rag.retrievers import EngineEmbedder
 
     from orthrus_rag.engine.clients.remote import RemoteClient
     from orthrus_rag.integrations.langchain import OrthrusEmbeddings
-    from orthrus_rag.retrievers import EngineEmbedder
 
     texts, want = backbone.texts, backbone.want
     client = openai.OpenAI(base_url=backbone.server.url, api_key="unused", max_retries=0)
@@ -105,10 +104,11 @@ def test_over_http_the_server_prefixes_by_input_type(backbone) -> None:
 
 
 def test_model_smollm2_backbone_embeds_with_the_shipped_adapter(tmp_path) -> None:
+    from types import SimpleNamespace
+
     from orthrus_rag.entrypoints.checks import validate
     from orthrus_rag.entrypoints.commands import _pooling
     from tests.test_app_config import _compose
-    from types import SimpleNamespace
 
     cfg = _compose("model=smollm2_backbone", f"run_dir={tmp_path}")
     validate(cfg)

@@ -22,6 +22,25 @@ class DatasetConf:
 
 
 @dataclass
+class CorpusConf:
+    """What the retriever searches, independent of the dataset (data/corpus.py reads it)."""
+
+    kind: str = "contexts"  # contexts: the dataset's own paragraphs | jsonl | hf | files
+    path: str | None = None  # jsonl: a FlashRAG JSONL file (.jsonl or .jsonl.gz); files: a folder of .txt / .md
+    hub_id: str | None = None  # hf: a dataset name on the hub, or a loader ("json", "parquet") with data_files
+    config: str | None = None  # hf: the dataset's config
+    split: str = "train"  # hf
+    data_files: list[str] | None = None  # hf: files for a loader such as "json"
+    # the record fields (jsonl, hf); None: `contents` ("title\ntext", FlashRAG) or `text` + `title`, and `id`
+    id_field: str | None = None
+    title_field: str | None = None
+    text_field: str | None = None
+    chunk_tokens: int = 200  # files: a passage's size in tokens (FlashRAG's wiki passages are ~100 words)
+    chunk_overlap: int = 20  # files: tokens shared by neighbouring passages
+    limit: int | None = None  # the first N passages
+
+
+@dataclass
 class DeployConf:
     """How the engine runs: one in-process engine, a two-process deployment of it (the baselines), or engine
     replicas on Ray Serve (entrypoints/ray/)."""
@@ -45,12 +64,25 @@ class DeployConf:
 
 @dataclass
 class RetrieverConf:
-    index_type: str = "flat"
+    kind: str = "dense"  # dense (FAISS) | bm25 (bm25s) | hybrid (the two fused by reciprocal rank)
+    index_type: str = "flat"  # flat | ivf | hnsw | factory (any faiss.index_factory string in `factory`)
     k: int = 5
     nlist: int = 64
-    nprobe: int = 8
+    nprobe: int = 8  # search time: inverted lists visited (ivf, and factory strings with IVF)
     hnsw_m: int = 32
+    ef_search: int = 64  # search time: HNSW's candidate list (hnsw, and factory strings with HNSW)
+    factory: str | None = None  # index_type=factory: e.g. "IVF4096,PQ64", "OPQ64,IVF65536_HNSW32,PQ64"
+    train_size: int = 131072  # vectors an index that trains is trained on (a seeded sample of the corpus)
+    on_disk: bool = False  # an IVF index's lists merged on disk and memory-mapped (indexes larger than memory)
+    shard_size: int = 4096  # passages embedded, written and recorded together (the unit a killed build resumes)
     index_dir: str | None = None  # load this prebuilt index (built by `orthrus-rag index`) instead of building
+    bm25_k1: float = 1.5  # bm25 / hybrid: term-frequency saturation
+    bm25_b: float = 0.75  # bm25 / hybrid: length normalisation
+    bm25_method: str = "lucene"  # lucene | robertson | atire | bm25l | bm25+
+    dense_weight: float = 1.0  # hybrid: each side's weight in the reciprocal-rank fusion
+    bm25_weight: float = 1.0
+    rrf_k: float = 60.0  # hybrid: the fusion's rank offset (Cormack et al.'s 60)
+    candidates: int = 20  # hybrid: hits asked of each side before fusing (at least k)
     pooling: str = "mean"
     query_instruction: str | None = None
     # the LoRA adapter documents and queries embed under (a name in model.adapters or an embedding adapter's);
@@ -89,6 +121,7 @@ class ServeConf:
 @dataclass
 class AppConf:
     dataset: DatasetConf = field(default_factory=DatasetConf)
+    corpus: CorpusConf = field(default_factory=CorpusConf)
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -112,7 +145,8 @@ RETRY_FAILED = ("retryable", "all", "none")
 
 # settings that change how a run goes, not what it computes: a resumed run may change them
 OPERATIONAL_KEYS = ("run_dir", "resume", "retry_failed", "progress", "checkpoint_every", "pipeline.max_concurrency",
-                    "pipeline.question_timeout_s", "deploy.num_threads", "deploy.max_in_flight", "deploy.retries",
+                    "pipeline.question_timeout_s", "retriever.nprobe", "retriever.ef_search",
+                    "deploy.num_threads", "deploy.max_in_flight", "deploy.retries",
                     "deploy.upscale_delay_s", "deploy.downscale_delay_s")
 
 

@@ -19,14 +19,17 @@ from typing import Any
 
 import torch
 
-from orthrus_rag.engine.clients.protocol import (EngineQueueFull, EngineShutdown, RequestAborted,
-                                                 refuse_inside_event_loop)
+from orthrus_rag.engine.clients.protocol import (
+    EngineQueueFull,
+    EngineShutdown,
+    RequestAborted,
+    refuse_inside_event_loop,
+)
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.engine import Engine, EngineLoop, StepFailed
-from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.machine import release_openmp_pool
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, StepStats
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -25,19 +25,24 @@ import torch
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.core.block_manager import BlockManager, PrefixCachingBlockManager
-from orthrus_rag.engine.executor.calibration import calibrate
-from orthrus_rag.engine.text_io import InputProcessor, stream_text, update_output
-from orthrus_rag.engine.handoff import restore_generator
 from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
-from orthrus_rag.engine.routing import EmbeddingRoute, EmbeddingSpace
-from orthrus_rag.engine.executor.runner import ModelRunner
 from orthrus_rag.engine.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from orthrus_rag.engine.core.step_cost import StepCostModel
+from orthrus_rag.engine.executor.calibration import calibrate
+from orthrus_rag.engine.executor.runner import ModelRunner
+from orthrus_rag.engine.handoff import restore_generator
+from orthrus_rag.engine.text_io import InputProcessor, stream_text, update_output
 from orthrus_rag.layers.sampler import make_generator
+from orthrus_rag.outputs import (
+    EmbeddingOutput,
+    EngineOutput,
+    GenerationOutput,
+    HandoffOutput,
+    RequestMetrics,
+    StepStats,
+)
+from orthrus_rag.params import EmbeddingRoute, EmbeddingSpace, PoolingParams, SamplingParams
 from orthrus_rag.structured.compiler import GrammarCompiler, compiler_for
-from orthrus_rag.outputs import (EmbeddingOutput, EngineOutput, GenerationOutput, HandoffOutput, RequestMetrics,
-                                 StepStats)
-from orthrus_rag.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +105,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
         """Load the weights `config` names and build the engine (the one way every caller builds one)."""
-        from orthrus_rag.engine.executor.loading import load_models
         from orthrus_rag.engine.core.policies import check_policy
+        from orthrus_rag.engine.executor.loading import load_models
 
         check_policy(config.scheduler.policy)  # NOTE: before any weights load
         loaded = load_models(config)

@@ -33,8 +33,16 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"dataset.num_questions must be at least 1, got {cfg.dataset.num_questions}")
     _check_deploy(cfg.deploy)
     r, p = cfg.retriever, cfg.pipeline
-    owned("retriever", lambda: IndexSpec(index_type=r.index_type, nlist=r.nlist, nprobe=r.nprobe, hnsw_m=r.hnsw_m),
+    owned("retriever", lambda: IndexSpec(index_type=r.index_type, nlist=r.nlist, nprobe=r.nprobe, hnsw_m=r.hnsw_m,
+                                         ef_search=r.ef_search, factory=r.factory, train_size=r.train_size),
           keyed=True)
+    if r.shard_size < 1:
+        raise ValueError(f"retriever.shard_size must be at least 1, got {r.shard_size}")
+    from orthrus_rag.retrievers.kinds import check_kind
+
+    owned("retriever", lambda: check_kind(r.kind))
+    owned("retriever", lambda: sparse_settings(r))
+    _check_corpus(cfg.corpus)
     if r.index_dir is not None and not Path(r.index_dir).is_dir():
         raise ValueError(f"retriever.index_dir: no such folder: {r.index_dir}")
     _choice(p.name, PIPELINES, "pipeline")
@@ -51,6 +59,35 @@ def validate(cfg: Any) -> None:
     _check_request_params(cfg)
     _check_run_settings(cfg)
     _check_serve(cfg.serve)
+
+
+def sparse_settings(r: Any):  # -> SparseSettings
+    """The retriever config's BM25 and fusion settings (checked by their owner as they are built)."""
+    from orthrus_rag.retrievers.kinds import SparseSettings
+
+    return SparseSettings(k1=r.bm25_k1, b=r.bm25_b, method=r.bm25_method, dense_weight=r.dense_weight,
+                          bm25_weight=r.bm25_weight, rrf_k=r.rrf_k, candidates=r.candidates)
+
+
+def _check_corpus(c: Any) -> None:
+    from orthrus_rag.data.corpus import CORPUS_KINDS
+
+    _choice(c.kind, CORPUS_KINDS, "corpus kind")
+    if c.kind in ("jsonl", "files"):
+        if not c.path:
+            raise ValueError(f"corpus={c.kind} needs corpus.path")
+        path = Path(c.path).expanduser()
+        if c.kind == "jsonl" and not path.is_file():
+            raise ValueError(f"corpus.path: no such file: {c.path}")
+        if c.kind == "files" and not path.is_dir():
+            raise ValueError(f"corpus.path: no such folder: {c.path}")
+    if c.kind == "hf" and not c.hub_id:
+        raise ValueError("corpus=hf needs corpus.hub_id")
+    if c.limit is not None and c.limit < 1:
+        raise ValueError(f"corpus.limit must be at least 1, got {c.limit}")
+    if c.chunk_tokens < 1 or not 0 <= c.chunk_overlap < c.chunk_tokens:
+        raise ValueError(f"corpus.chunk_tokens must be >= 1 and 0 <= corpus.chunk_overlap < chunk_tokens, got "
+                         f"{c.chunk_tokens} and {c.chunk_overlap}")
 
 
 def _check_adapter_folders(model: ModelConfig) -> None:
@@ -103,10 +140,9 @@ def _check_request_params(cfg: Any) -> None:
 
 
 def _check_adapter_names(cfg: Any, model: ModelConfig) -> None:
-    """The adapters the pipeline and the retriever name are loaded, and of the right kind (engine/routing.py's
+    """The adapters the pipeline and the retriever name are loaded, and of the right kind (params.py's
     rules, on the names the engine will load)."""
-    from orthrus_rag.engine.routing import generation_slot, route_embedding
-    from orthrus_rag.params import PoolingParams
+    from orthrus_rag.params import PoolingParams, generation_slot, route_embedding
 
     loaded = model.loaded_adapters()
     slots = {name: i for i, name in enumerate(loaded, start=1)}

@@ -43,18 +43,37 @@ def _pooling(cfg: Any, client: Any) -> tuple[Any, Any]:
                           adapter=adapter, input_type="query"))
 
 
-def build_retriever(cfg: Any, client: Any, corpus: list, index_dir: Path | None,
-                    reuse: bool = False):  # -> DenseRetriever
-    """The configured index: `retriever.index_dir` loaded; on a resumed run the one saved in its folder (rebuilt
-    if that is missing or unreadable); else built over `corpus` and saved to `index_dir`."""
-    from orthrus_rag.retrievers import DenseRetriever, EngineEmbedder
+def build_retriever(cfg: Any, client: Any, examples: list, index_dir: Path | None,
+                    reuse: bool = False):  # -> Retriever (retrievers/kinds.py)
+    """The configured retriever (`retriever.kind`: dense, bm25 or hybrid): `retriever.index_dir` opened; else
+    built over the configured corpus into `index_dir`. The dataset's own paragraphs (`corpus=contexts`) index in
+    memory (a dense index reused on a resumed run when the folder holds the same passages); any other corpus
+    streams through the resumable `IndexBuilder`."""
+    from orthrus_rag.entrypoints.checks import sparse_settings
+    from orthrus_rag.retrievers.kinds import build_in_memory, open_retriever
 
-    doc, query = _pooling(cfg, client)
-    embedder = EngineEmbedder(client, doc, query)
     r = cfg.retriever
+    embedder = _embedder(cfg, client) if r.kind != "bm25" else None
+    settings = sparse_settings(r)
     if r.index_dir is not None:
-        logger.info("loading index from %s", r.index_dir)
-        return DenseRetriever.load(r.index_dir, embedder)
+        logger.info("opening the %s index in %s", r.kind, r.index_dir)
+        return open_retriever(r.index_dir, r.kind, embedder, settings, {"nprobe": r.nprobe, "ef_search": r.ef_search})
+    if cfg.corpus.kind != "contexts":
+        if index_dir is None:
+            raise ValueError(f"corpus={cfg.corpus.kind} needs a folder to build its index in, or retriever.index_dir")
+        _build_index(cfg, client, embedder, examples, index_dir)
+        return open_retriever(index_dir, r.kind, embedder, settings)
+    from orthrus_rag.data import build_corpus
+
+    corpus = build_corpus(examples)
+    dense = _dense_in_memory(cfg, embedder, corpus, index_dir, reuse) if embedder is not None else None
+    return build_in_memory(corpus, r.kind, dense, settings)
+
+
+def _dense_in_memory(cfg: Any, embedder: Any, corpus: list, index_dir: Path | None, reuse: bool):  # -> DenseRetriever
+    from orthrus_rag.retrievers import DenseRetriever
+
+    r = cfg.retriever
     if reuse and index_dir is not None and index_dir.is_dir():
         try:
             retriever = DenseRetriever.load(index_dir, embedder)
@@ -64,7 +83,8 @@ def build_retriever(cfg: Any, client: Any, corpus: list, index_dir: Path | None,
             logger.warning("the index in %s holds other passages; rebuilding it", index_dir)
         except ValueError as exc:  # NOTE: e.g. the previous session was killed while saving it
             logger.warning("cannot reuse the index in %s (%s); rebuilding it", index_dir, exc)
-    retriever = DenseRetriever(embedder, index_type=r.index_type, nlist=r.nlist, nprobe=r.nprobe, hnsw_m=r.hnsw_m)
+    retriever = DenseRetriever(embedder, index_type=r.index_type, nlist=r.nlist, nprobe=r.nprobe, hnsw_m=r.hnsw_m,
+                               ef_search=r.ef_search, factory=r.factory, train_size=r.train_size)
     logger.info("embedding %d passages into a %s index", len(corpus), r.index_type)
     retriever.build(corpus)
     if index_dir is not None:
@@ -72,19 +92,72 @@ def build_retriever(cfg: Any, client: Any, corpus: list, index_dir: Path | None,
     return retriever
 
 
+def _embedder(cfg: Any, client: Any, batch_size: int = 256):  # -> EngineEmbedder
+    from orthrus_rag.retrievers import EngineEmbedder
+
+    doc, query = _pooling(cfg, client)
+    return EngineEmbedder(client, doc, query, batch_size=batch_size)
+
+
+def _build_index(cfg: Any, client: Any, embedder: Any, examples: list | None, folder: Path):  # -> BuildReport
+    """The configured corpus through the resumable, sharded `IndexBuilder` into `folder` (no embedder: BM25
+    only)."""
+    from orthrus_rag.data.corpus import corpus_identity, count_passages, iter_corpus
+    from orthrus_rag.entrypoints.checks import sparse_settings
+    from orthrus_rag.retrievers.faiss_index import IndexSpec
+    from orthrus_rag.retrievers.index_build import IndexBuilder
+
+    r = cfg.retriever
+    spec = IndexSpec(r.index_type, nlist=r.nlist, nprobe=r.nprobe, hnsw_m=r.hnsw_m, ef_search=r.ef_search,
+                     factory=r.factory, train_size=r.train_size)
+
+    def contexts() -> list:
+        from orthrus_rag.data import build_corpus
+
+        return build_corpus(examples if examples is not None else load_examples(cfg))
+
+    tokenizer = getattr(client, "tokenizer", None)
+    count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
+    bm25 = sparse_settings(r)
+    builder = IndexBuilder(folder, embedder, spec, corpus_identity(cfg.corpus), shard_size=r.shard_size,
+                           on_disk=r.on_disk, seed=cfg.seed, progress=cfg.progress, sparse=r.kind != "dense",
+                           bm25={"k1": bm25.k1, "b": bm25.b, "method": bm25.method})
+    return builder.build(iter_corpus(cfg.corpus, contexts, count), total=count_passages(cfg.corpus))
+
+
+# an index build's steps carry embeddings only: no decode's latency to protect, so they are as large as a serving
+# step is not (the scheduler's defaults, 256 tokens and 64 sequences, are for mixed serving)
+INDEX_STEP_TOKENS, INDEX_STEP_SEQS = 4096, 256
+
+
 def index(cfg: Any) -> Path:
-    """Build and save the retrieval index of a dataset's corpus (`orthrus-rag index`)."""
-    from orthrus_rag.data import build_corpus
+    """Build and save the retrieval index of the configured corpus (`orthrus-rag index`): streamed in shards of
+    `retriever.shard_size` passages, each embedded as one batch in steps of at least INDEX_STEP_TOKENS tokens;
+    `resume=<run_dir>` continues a killed build from its last finished shard. The run folder keeps config.yaml, so
+    a bare `resume=` knows the corpus."""
+    from omegaconf import OmegaConf
+
+    from orthrus_rag.pipelines.run_store import CONFIG
 
     validate(cfg)
-    corpus = build_corpus(load_examples(cfg))
-    out = Path(cfg.run_dir) / "index"
+    s = cfg.scheduler
+    s.max_num_batched_tokens = max(s.max_num_batched_tokens, INDEX_STEP_TOKENS)
+    s.max_num_seqs = max(s.max_num_seqs, INDEX_STEP_SEQS)
+    folder = Path(cfg.resume or cfg.run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / CONFIG).is_file():
+        (folder / CONFIG).write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
+    out = folder / "index"
     client = build_client(cfg)
     try:
-        build_retriever(cfg, client, corpus, out)
+        # NOTE: a shard is one batch: the engine's steps are embedding-only and full while it builds
+        embedder = (_embedder(cfg, client, batch_size=cfg.retriever.shard_size)
+                    if cfg.retriever.kind != "bm25" else None)
+        report = _build_index(cfg, client, embedder, None, out)
     finally:
         asyncio.run(client.aclose())
-    logger.info("index of %d passages saved to %s", len(corpus), out)
+    logger.info("index of %d passages saved to %s (%d shards, %d resumed; %.1f passages/s)", report.num_passages,
+                out, report.num_shards, report.resumed_shards, report.passages_per_s)
     return out
 
 
@@ -113,9 +186,11 @@ def _iterations(cfg: Any) -> int:
 def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:
     """What a run is, for its summary and for `orthrus-rag summarize` tables."""
     d = cfg.dataset
-    return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "model": cfg.model.name,
+    return {"dataset": d.name, "dataset_path": d.path, "limit": d.limit, "corpus": cfg.corpus.kind,
+            "corpus_path": cfg.corpus.path or cfg.corpus.hub_id, "model": cfg.model.name,
             "embedding_model": cfg.model.embedding_model, "policy": cfg.scheduler.policy, "serving": client.name,
-            "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "index_type": cfg.retriever.index_type,
+            "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "retriever": cfg.retriever.kind,
+            "index_type": cfg.retriever.index_type,
             "k": cfg.retriever.k, "max_concurrency": max_concurrency, "answer_format": cfg.pipeline.answer_format,
             "generation_adapter": cfg.pipeline.generation_adapter, "retriever_adapter": cfg.retriever.adapter}
 
@@ -168,8 +243,6 @@ def run(cfg: Any, client: Any = None) -> dict[str, Any]:
 
 
 def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
-    from orthrus_rag.data import build_corpus
-
     examples = load_examples(cfg)
     remaining = session.remaining(examples)
     if not remaining:
@@ -181,8 +254,7 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     retriever = None
     if cfg.pipeline.name != "no_retrieval":
         # NOTE: built before the async loop starts, so the corpus embeds with blocking calls
-        retriever = build_retriever(cfg, client, build_corpus(examples), session.folder / "index",
-                                    reuse=cfg.resume is not None)
+        retriever = build_retriever(cfg, client, examples, session.folder / "index", reuse=cfg.resume is not None)
     pipeline = build_pipeline(cfg, client, retriever)
     session.labels = run_labels(cfg, client, pipeline.max_concurrency)
     # NOTE: None (no step rows) where the steps run in other processes

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.path.insert(0, str(SCRIPTS))  # `bench` is scripts/bench/
     from hydra import compose, initialize_config_module
-
-    from orthrus_rag.entrypoints import commands as app
-    from orthrus_rag.config.app import register_configs
     from orthrus_rag.pipelines import format_table
+
+    from orthrus_rag.config.app import register_configs
+    from orthrus_rag.entrypoints import commands as app
 
     register_configs()
     with initialize_config_module(config_module="orthrus_rag.conf", version_base=None):
@@ -52,11 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def peer_client(peer: str, cfg, options: dict):  # noqa: ANN001 (a DictConfig) -> DeploymentClient
     from bench.peer_client import make_peer
-
-    from orthrus_rag.entrypoints.checks import validate
     from orthrus_rag.engine.clients import DeploymentClient
     from orthrus_rag.engine.clients.deployment_client import encoder_pooling_of, load_tokenizer
-    from orthrus_rag.engine.routing import EmbeddingSpace
+    from orthrus_rag.entrypoints.checks import validate
+    from orthrus_rag.params import EmbeddingSpace
 
     validate(cfg)  # before the peer's engines start
     m = cfg.model

@@ -22,17 +22,16 @@ import logging
 import queue
 import threading
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.engine.clients.protocol import ClientFailed, RequestFailed, refuse_inside_event_loop
 from orthrus_rag.engine.deploy.spec import WorkerError
-from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 

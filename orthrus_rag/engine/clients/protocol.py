@@ -15,9 +15,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 
 
 # ---- what a request through the seam can fail with -------------------------------------------------------------

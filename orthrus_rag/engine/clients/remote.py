@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 from orthrus_rag.engine.clients.protocol import InFlight
-from orthrus_rag.engine.routing import EmbeddingSpace
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 
 # PoolingParams fields a request may set over HTTP: the rest are the server's (its model's pooling)
 _REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority", "input_type"}

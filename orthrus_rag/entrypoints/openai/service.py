@@ -16,14 +16,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from orthrus_rag.engine.clients.protocol import EngineQueueFull, EngineShutdown, EngineUnavailable, RequestAborted
-from orthrus_rag.engine.clients.protocol import EngineClient
-from orthrus_rag.engine.routing import EmbeddingSpace
-from orthrus_rag.outputs import GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams, StructuredOutputsParams
+from orthrus_rag.engine.clients.protocol import (
+    EngineClient,
+    EngineQueueFull,
+    EngineShutdown,
+    EngineUnavailable,
+    RequestAborted,
+)
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
 from orthrus_rag.entrypoints.openai.schemas import MAX_INPUTS, MAX_TEXT_CHARS, EmbeddingRequest, ModelCard, ModelList
+from orthrus_rag.outputs import GenerationOutput
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1

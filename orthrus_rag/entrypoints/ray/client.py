@@ -9,12 +9,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from orthrus_rag.engine.clients.protocol import EngineUnavailable
-from orthrus_rag.engine.clients.protocol import InFlight, refuse_inside_event_loop
-from orthrus_rag.engine.routing import EmbeddingSpace
+from orthrus_rag.engine.clients.protocol import EngineUnavailable, InFlight, refuse_inside_event_loop
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
-
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 
 RETRIES = 2  # a call whose replica died is sent again this many times (the router picks a live one): deploy.retries
 

@@ -1,5 +1,5 @@
-"""`OrthrusRetriever`: a LangChain retriever over the project's FAISS `DenseRetriever`, and `LangChainEmbedder`,
-which lets that retriever embed through any LangChain `Embeddings` (e.g. `OrthrusEmbeddings` against a server)."""
+"""`OrthrusRetriever`: a LangChain retriever over the project's retrievers (dense FAISS, BM25, hybrid), and
+`LangChainEmbedder`, which lets that retriever embed through any LangChain `Embeddings` (e.g. `OrthrusEmbeddings` against a server)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ class OrthrusRetriever(BaseRetriever):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     retriever: Any = Field(exclude=True)
-    """A built `orthrus_rag.retrievers.DenseRetriever` (its embedder embeds the queries)."""
+    """A built retriever of any kind (retrievers/kinds.py): a `DenseRetriever` (its embedder embeds the queries),
+    a `BM25Retriever` or a `HybridRetriever`, e.g. `open_retriever(folder, kind, embedder)` of a saved index."""
     k: int = Field(default=4, ge=1)
     """Passages per query."""
 
