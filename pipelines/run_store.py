@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from orthrus_rag.atomic import atomic_write
 from orthrus_rag.pipelines.records import QARecord
 
 logger = logging.getLogger(__name__)
@@ -213,15 +214,10 @@ class RunStore:
 
     def write_atomic(self, name: str, text: str) -> None:
         path = self.folder / name
-        tmp = path.with_name(f".{name}.tmp")
         try:
-            with tmp.open("w", encoding="utf-8") as f:
+            with atomic_write(path, "w") as f:
                 f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise self._error(exc, path) from exc
 
     def _error(self, exc: OSError, path: Path) -> RunStoreError:

@@ -6,8 +6,9 @@ recorded as finished in `build.json`; only then does the next shard start. A kil
 finished shard: the corpus is read again from the start and the finished shards' passages skipped (reading is
 cheap next to embedding). Once every shard is in, the index is trained on a seeded sample of `train_size` vectors
 and the shards are added one at a time, or, with `on_disk`, each shard becomes an inverted-file block merged on
-disk (`faiss.contrib.ondisk.merge_ondisk`) and searched memory-mapped. With `sparse`, a BM25 index is built over
-the stored passages too (`bm25/`); with no embedder, only that (no vectors, no FAISS index).
+disk (`faiss.contrib.ondisk.merge_ondisk`) and searched memory-mapped. With `sparse` (an unbuilt BM25Retriever:
+its parameters), a BM25 index is built over the stored passages too (`bm25/`); with no embedder, only that (no
+vectors, no FAISS index).
 
 Memory: one shard's passages and vectors, the training sample (train_size x d x 4 bytes), and the index itself
 (with `on_disk`: its coarse quantizer only); BM25: the corpus's token ids while it indexes. The vectors stay in
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from orthrus_rag.atomic import atomic_write
 from orthrus_rag.data.types import Passage
 from orthrus_rag.retrievers import store
 from orthrus_rag.retrievers.embedder import Embedder
@@ -65,24 +66,6 @@ def _vector_name(number: int) -> str:
     return f"shard-{number:05d}.npy"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _save_vectors(path: Path, vectors: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        np.save(f, vectors)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class IndexBuilder:
     """Builds (or resumes building) the index of one corpus with one embedder into `folder`.
 
@@ -91,14 +74,14 @@ class IndexBuilder:
 
     def __init__(self, folder: str | Path, embedder: Embedder | None, spec: IndexSpec, corpus: dict[str, Any],
                  shard_size: int = 4096, on_disk: bool = False, seed: int = 0, progress: bool = True,
-                 sparse: bool = False, bm25: dict[str, Any] | None = None) -> None:
+                 sparse: BM25Retriever | None = None) -> None:
         if shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, got {shard_size}")
-        if embedder is None and not sparse:
-            raise ValueError("an index build needs an embedder (dense), sparse=True (BM25), or both")
+        if embedder is None and sparse is None:
+            raise ValueError("an index build needs an embedder (dense), a BM25Retriever to build (sparse), or both")
         self.folder = Path(folder)
         self.embedder, self.spec, self.on_disk, self.seed = embedder, spec, on_disk, seed
-        self.shard_size, self.progress, self.sparse, self.bm25 = shard_size, progress, sparse, dict(bm25 or {})
+        self.shard_size, self.progress, self.sparse = shard_size, progress, sparse
         identity = embedder.identity if embedder is not None else None
         self.settings = store.canonical({"corpus": corpus, "embedder": identity, "shard_size": shard_size})
 
@@ -122,7 +105,8 @@ class IndexBuilder:
         return state
 
     def _commit(self, state: dict[str, Any]) -> None:
-        _write_atomic(self._state_path(), (json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
+        with atomic_write(self._state_path(), "w") as f:
+            f.write(json.dumps(state, indent=1, sort_keys=True) + "\n")
 
     # ---- build --------------------------------------------------------------------------------------------------
     def build(self, passages: Iterable[Passage], total: int | None = None) -> BuildReport:
@@ -148,7 +132,8 @@ class IndexBuilder:
                     started = time.perf_counter()
                     vectors = self._embed(chunk)
                     embed_s += time.perf_counter() - started
-                    _save_vectors(self.folder / VECTORS_DIR / _vector_name(number), vectors)
+                    with atomic_write(self.folder / VECTORS_DIR / _vector_name(number)) as f:
+                        np.save(f, vectors)
                     state["dimension"] = int(vectors.shape[1])
                 write_shard(self.folder / store.PASSAGES_DIR / shard_name(number), chunk)
                 state["shards"].append({"n": len(chunk), "first_id": chunk[0].id, "last_id": chunk[-1].id})
@@ -191,11 +176,10 @@ class IndexBuilder:
         if self.embedder is not None:
             self._assemble_dense(counts, int(state["dimension"]))
             kinds.append("dense")
-        if self.sparse:
+        if self.sparse is not None:
             passages = PassageStore(self.folder / store.PASSAGES_DIR, shards=len(counts))
-            sparse = BM25Retriever(**self.bm25)
-            sparse.build(passages, (p.contents for p in passages))
-            sparse.save(self.folder / BM25_DIR)
+            self.sparse.build(passages, (p.contents for p in passages))
+            self.sparse.save(self.folder / BM25_DIR)
             kinds.append("bm25")
         store.write_manifest(self.folder / store.MANIFEST_FILE, store.manifest(
             self.settings["embedder"], self.spec.to_dict() if self.embedder is not None else None,

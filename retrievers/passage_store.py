@@ -10,11 +10,11 @@ fsynced, then renamed), so a build killed part-way leaves only finished shards, 
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
+from orthrus_rag.atomic import atomic_write
 from orthrus_rag.data.types import Passage
 
 SHARD_GLOB = "shard-*.arrow"
@@ -37,19 +37,8 @@ def write_shard(path: Path, passages: Sequence[Passage]) -> None:
     table = pa.table({"id": [p.id for p in passages], "title": [p.title for p in passages],
                       "text": [p.text for p in passages]},
                      schema=pa.schema([("id", pa.string()), ("title", pa.string()), ("text", pa.large_string())]))
-    tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+    with atomic_write(path) as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
-    _fsync(tmp)
-    os.replace(tmp, path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PassageStore(Sequence[Passage]):

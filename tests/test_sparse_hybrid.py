@@ -93,14 +93,16 @@ def test_hybrid_fuses_dense_and_bm25(bm25: BM25Retriever) -> None:
 
 
 def test_an_index_folder_built_for_bm25_only_and_for_hybrid(tmp_path: Path) -> None:
-    IndexBuilder(tmp_path / "bm25", None, IndexSpec(), {"kind": "t"}, shard_size=64, sparse=True).build(CORPUS)
+    IndexBuilder(tmp_path / "bm25", None, IndexSpec(), {"kind": "t"}, shard_size=64,
+                 sparse=BM25Retriever()).build(CORPUS)
     assert not list((tmp_path / "bm25" / "vectors").glob("*.npy")) and not (tmp_path / "bm25" / "index.faiss").exists()
     sparse = open_retriever(tmp_path / "bm25", "bm25", None)
     assert isinstance(sparse, BM25Retriever) and ids(sparse.search("alpha17 gamma17", k=1)) == ["17"]
     with pytest.raises(ValueError, match="holds bm25 only; retriever.kind=hybrid needs dense"):
         open_retriever(tmp_path / "bm25", "hybrid", HashEmbedder())
     embedder = HashEmbedder()
-    IndexBuilder(tmp_path / "both", embedder, IndexSpec(), {"kind": "t"}, shard_size=64, sparse=True).build(CORPUS)
+    IndexBuilder(tmp_path / "both", embedder, IndexSpec(), {"kind": "t"}, shard_size=64,
+                 sparse=BM25Retriever()).build(CORPUS)
     hybrid = open_retriever(tmp_path / "both", "hybrid", embedder)
     dense = open_retriever(tmp_path / "both", "dense", embedder)
     assert isinstance(hybrid, HybridRetriever) and isinstance(dense, DenseRetriever)

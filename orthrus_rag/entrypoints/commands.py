@@ -118,10 +118,9 @@ def _build_index(cfg: Any, client: Any, embedder: Any, examples: list | None, fo
 
     tokenizer = getattr(client, "tokenizer", None)
     count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
-    bm25 = sparse_settings(r)
+    sparse = sparse_settings(r).bm25() if r.kind != "dense" else None
     builder = IndexBuilder(folder, embedder, spec, corpus_identity(cfg.corpus), shard_size=r.shard_size,
-                           on_disk=r.on_disk, seed=cfg.seed, progress=cfg.progress, sparse=r.kind != "dense",
-                           bm25={"k1": bm25.k1, "b": bm25.b, "method": bm25.method})
+                           on_disk=r.on_disk, seed=cfg.seed, progress=cfg.progress, sparse=sparse)
     return builder.build(iter_corpus(cfg.corpus, contexts, count), total=count_passages(cfg.corpus))
 
 
