@@ -11,7 +11,8 @@ its parameters), a BM25 index is built over the stored passages too (`bm25/`); w
 vectors, no FAISS index).
 
 Memory: one shard's passages and vectors, the training sample (train_size x d x 4 bytes), and the index itself
-(with `on_disk`: its coarse quantizer only); BM25: the corpus's token ids while it indexes. The vectors stay in
+(with `on_disk`: its coarse quantizer only); BM25: the corpus's token ids while it indexes. The C heap's free
+pages are handed back after every shard (orthrus_rag/memory.py). The vectors stay in
 `vectors/`, so another FAISS index over the same corpus needs no embedding.
 """
 
@@ -32,6 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from orthrus_rag.atomic import atomic_write
+from orthrus_rag.memory import release_free_memory
 from orthrus_rag.data.types import Passage
 from orthrus_rag.retrievers import store
 from orthrus_rag.retrievers.embedder import Embedder
@@ -138,6 +140,7 @@ class IndexBuilder:
                 write_shard(self.folder / store.PASSAGES_DIR / shard_name(number), chunk)
                 state["shards"].append({"n": len(chunk), "first_id": chunk[0].id, "last_id": chunk[-1].id})
                 self._commit(state)  # NOTE: the shard counts as finished only from here
+                release_free_memory()  # NOTE: else the freed step tensors of every shard stay resident
                 bar.update(len(chunk))
                 if quiet:  # NOTE: a disabled bar counts nothing; the state does
                     logger.info("indexing: %d passages done (%d shards)", sum(int(s["n"]) for s in state["shards"]),

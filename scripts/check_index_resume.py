@@ -104,12 +104,13 @@ def main() -> int:
     shards = -(-total // shard_size)
     args.out.mkdir(parents=True, exist_ok=True)
     whole, cut = args.out / "whole", args.out / "resumed"
-    rows = [{"build": "uninterrupted", "passages": total, **run_index(whole, [*base, f"run_dir={whole}"])}]
     kill = max(1, int(shards * args.kill_at))
-    rows.append({"build": "killed", **run_index(cut, [*base, f"run_dir={cut}"], kill_after_shards=kill)})
-    rows.append({"build": "resumed", **run_index(cut, [f"resume={cut}", "progress=false"])})
-    for row in rows:
-        print(json.dumps(row), flush=True)
+    # NOTE: each row as its build ends: a 200k-passage check runs over an hour
+    print(json.dumps({"build": "uninterrupted", "passages": total, **run_index(whole, [*base, f"run_dir={whole}"])}),
+          flush=True)
+    print(json.dumps({"build": "killed", "after_shards": kill, "of_shards": shards,
+                      **run_index(cut, [*base, f"run_dir={cut}"], kill_after_shards=kill)}), flush=True)
+    print(json.dumps({"build": "resumed", **run_index(cut, [f"resume={cut}", "progress=false"])}), flush=True)
     a, b = vectors(whole), vectors(cut)
     questions = [ex.question for ex in load_qa("2wiki", path=str(args.queries), limit=args.num_queries)]
     ids_a = top_k(whole, questions, args.k, base)

@@ -185,3 +185,17 @@ def test_an_old_saved_config_maps_onto_the_new_keys(tmp_path):
     assert (resumed.scheduler.policy, resumed.deploy.num_threads, list(resumed.model.embedding_adapters)) == \
         ("hetero-fcfs", 2, [str(tmp_path)])
     assert engine_config_from(resumed).cache.block_size == 32
+
+
+@pytest.mark.parametrize("overrides,blocks", [
+    ([], 1),  # MiniLM, the default embedder: no KV at all
+    (["model=smollm2_backbone", "retriever.adapter=smollm2_embed"], app.INDEX_KV_TOKENS // 16),
+    (["retriever=bm25", "model=smollm2_backbone"], 1),
+    (["cache.num_blocks=77"], 77),  # the user's own size stays
+])
+def test_an_index_build_sizes_its_steps_and_kv_cache_for_embeddings_only(overrides, blocks):
+    cfg = _compose(*overrides)
+    app._index_engine(cfg)
+    assert cfg.cache.num_blocks == blocks
+    assert cfg.scheduler.max_num_batched_tokens >= app.INDEX_STEP_TOKENS
+    assert cfg.scheduler.max_num_seqs >= app.INDEX_STEP_SEQS

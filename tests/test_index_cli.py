@@ -62,6 +62,23 @@ def test_a_bare_resume_finishes_the_same_build(built: Path, capsys: pytest.Captu
     assert "index saved to" in capsys.readouterr().out
 
 
+def test_a_finished_build_resumed_as_hybrid_adds_bm25_and_embeds_nothing(built: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(built, folder)
+    vectors = {p.name: p.stat().st_mtime_ns for p in (folder / "index" / "vectors").iterdir()}
+    state = (folder / "index" / "build.json").read_text()
+    # NOTE: the corpus comes from the folder's config.yaml; the new retriever group's shard size is given again
+    assert main(["index", f"resume={folder}", "retriever=hybrid", "retriever.shard_size=16", *SMALL]) == 0
+    manifest = json.loads((folder / "index" / "manifest.json").read_text())
+    assert manifest["retrievers"] == ["dense", "bm25"] and manifest["num_passages"] > 0
+    assert {p.name: p.stat().st_mtime_ns for p in (folder / "index" / "vectors").iterdir()} == vectors
+    assert (folder / "index" / "build.json").read_text() == state  # no shard embedded again
+    assert "kind: hybrid" in (folder / "config.yaml").read_text()  # the next bare resume= builds the same
+    assert main(["index", f"resume={folder}", "retriever.shard_size=8", *SMALL]) == 2  # shards of 16 stay 16
+
+
 def test_another_query_embedder_is_refused_with_exit_2(built: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     code = main(["run", "dataset.limit=1", "retriever.query_instruction=query: ",

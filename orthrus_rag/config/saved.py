@@ -70,12 +70,13 @@ def config_diff(saved: Any, current: Any) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
-def resumed_config(saved_yaml: str, current: Any, overridden: set[str]) -> Any:
+def resumed_config(saved_yaml: str, current: Any, overridden: set[str], any_key: bool = False) -> Any:
     """The config a run was started with (its saved config.yaml), with `run_dir`, `resume` and the operational
-    settings in `overridden` (those given on the command line) taken from `current`."""
+    settings in `overridden` (those given on the command line) taken from `current`; with `any_key`, every
+    setting in `overridden` (an index folder resumed as another index: its build checks what must not change)."""
     from omegaconf import OmegaConf
 
     cfg = saved_config(saved_yaml)
-    for key in {"run_dir", "resume"} | (set(OPERATIONAL_KEYS) & overridden):
+    for key in {"run_dir", "resume"} | (overridden if any_key else set(OPERATIONAL_KEYS) & overridden):
         OmegaConf.update(cfg, key, OmegaConf.select(current, key), merge=False)
     return cfg

@@ -140,7 +140,7 @@ def _job(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
     from orthrus_rag.entrypoints.cli_errors import describe_error
 
     try:
-        cfg = _job_config(cfg)
+        cfg = _job_config(command, cfg)
         return _task(command, cfg)
     except (Exception, KeyboardInterrupt) as exc:
         described = describe_error(exc, cfg.resume or cfg.run_dir)
@@ -182,9 +182,9 @@ def _detach_file_logs(folder: Path) -> None:
                 handler.close()
 
 
-def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)
+def _job_config(command: str, cfg):  # noqa: ANN001, ANN202 (DictConfigs)
     """The job's run folder is Hydra's output folder (a sweep: one per job); a bare `resume=DIR` (operational
-    overrides aside) continues with the config DIR was started with."""
+    overrides aside; for `index`, any) continues with the config DIR was started with."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
@@ -202,8 +202,10 @@ def _job_config(cfg):  # noqa: ANN001, ANN202 (DictConfigs)
         return cfg
     keys = {o.key_or_group for o in OverridesParser.create().parse_overrides(list(hc.overrides.task))}
     saved = RunStore(cfg.resume).read_text(CONFIG)
-    if saved is not None and keys <= set(OPERATIONAL_KEYS):
-        return resumed_config(saved, cfg, keys)
+    if saved is not None and (keys <= set(OPERATIONAL_KEYS) or command == "index"):
+        # NOTE: an index folder may be resumed as another index (retriever=hybrid, another factory): IndexBuilder
+        # refuses a change of corpus, embedder or shard size by itself
+        return resumed_config(saved, cfg, keys, any_key=command == "index")
     return cfg  # NOTE: app.run checks it against the saved config and names any difference
 
 

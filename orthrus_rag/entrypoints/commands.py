@@ -25,12 +25,17 @@ def load_examples(cfg: Any) -> list:
     return load_qa(d.name, path=d.path, hub_id=d.hub_id, split=d.split, limit=d.limit)
 
 
+def _on_encoder(cfg: Any) -> bool:
+    """Whether the retriever embeds on the separate encoder (one is loaded and no backbone adapter is asked for)."""
+    return cfg.model.embedding_model is not None and cfg.retriever.adapter is None
+
+
 def _pooling(cfg: Any, client: Any) -> tuple[Any, Any]:
     """Document and query pooling: the encoder's own pooling, or the configured one on the backbone."""
     from orthrus_rag.params import PoolingParams
 
     adapter = cfg.retriever.adapter
-    if cfg.model.embedding_model is not None and adapter is None:
+    if _on_encoder(cfg):
         base = dict(client.embedding_space.encoder_pooling)
     else:
         base = {"pooling": cfg.retriever.pooling, "normalize": True}
@@ -127,21 +132,36 @@ def _build_index(cfg: Any, client: Any, embedder: Any, examples: list | None, fo
 # an index build's steps carry embeddings only: no decode's latency to protect, so they are as large as a serving
 # step is not (the scheduler's defaults, 256 tokens and 64 sequences, are for mixed serving)
 INDEX_STEP_TOKENS, INDEX_STEP_SEQS = 4096, 256
+# ... and it decodes nothing, so its KV cache holds only the backbone embeddings in flight: two full steps' tokens
+# keep the steps full (the serving default, 1 GiB, was over a third of a build's resident memory: BENCHMARKS.md,
+# session 17).
+# Embeddings on a separate encoder hold no KV at all (it attends within a step): one block.
+INDEX_KV_TOKENS = 2 * INDEX_STEP_TOKENS
+
+
+def _index_engine(cfg: Any) -> None:
+    """An index build's engine settings: embedding-only steps (at least INDEX_STEP_TOKENS tokens and
+    INDEX_STEP_SEQS sequences) and, unless `cache.num_blocks` is set, a KV cache of what those steps use."""
+    s, c = cfg.scheduler, cfg.cache
+    s.max_num_batched_tokens = max(s.max_num_batched_tokens, INDEX_STEP_TOKENS)
+    s.max_num_seqs = max(s.max_num_seqs, INDEX_STEP_SEQS)
+    if c.num_blocks is None:
+        c.num_blocks = 1 if _on_encoder(cfg) or cfg.retriever.kind == "bm25" else -(-INDEX_KV_TOKENS // c.block_size)
 
 
 def index(cfg: Any) -> Path:
     """Build and save the retrieval index of the configured corpus (`orthrus-rag index`): streamed in shards of
-    `retriever.shard_size` passages, each embedded as one batch in steps of at least INDEX_STEP_TOKENS tokens;
+    `retriever.shard_size` passages, each embedded as one batch in embedding-only steps (`_index_engine`);
     `resume=<run_dir>` continues a killed build from its last finished shard. The run folder keeps config.yaml, so
-    a bare `resume=` knows the corpus."""
+    a bare `resume=` knows the corpus. A finished folder resumed with another `retriever=` (another FAISS index,
+    or hybrid to add BM25) assembles that index from the stored shards: nothing is embedded again."""
     from omegaconf import OmegaConf
 
+    from orthrus_rag.atomic import atomic_write
     from orthrus_rag.pipelines.run_store import CONFIG
 
     validate(cfg)
-    s = cfg.scheduler
-    s.max_num_batched_tokens = max(s.max_num_batched_tokens, INDEX_STEP_TOKENS)
-    s.max_num_seqs = max(s.max_num_seqs, INDEX_STEP_SEQS)
+    _index_engine(cfg)
     folder = Path(cfg.resume or cfg.run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / CONFIG).is_file():
@@ -155,6 +175,8 @@ def index(cfg: Any) -> Path:
         report = _build_index(cfg, client, embedder, None, out)
     finally:
         asyncio.run(client.aclose())
+    with atomic_write(folder / CONFIG, "w") as f:  # NOTE: what built the folder last, for the next bare resume=
+        f.write(OmegaConf.to_yaml(cfg))
     logger.info("index of %d passages saved to %s (%d shards, %d resumed; %.1f passages/s)", report.num_passages,
                 out, report.num_shards, report.resumed_shards, report.passages_per_s)
     return out

@@ -355,18 +355,31 @@ def measure(w: dict, kwargs: dict) -> tuple[dict, dict]:
         _shutdown(llm)
         del llm
     if "embed" in sections:
+        # optional (scripts/bench_corpus_embed.py): another model (an encoder), its own pooling (None: the model's
+        # sentence-transformers config), a PEFT LoRA adapter served as a LoRARequest
+        pooling = w.get("embed_pooling", "MEAN")
+        lora = w.get("embed_lora")
+        extra = {"enable_lora": True, "max_lora_rank": int(w.get("embed_lora_rank", 16))} if lora else {}
         t0 = time.perf_counter()
-        llm = LLM(model=w["model"], runner="pooling", convert="embed", pooler_config=PoolerConfig(pooling_type="MEAN"),
-                  enable_prefix_caching=False, **kwargs)
+        llm = LLM(model=w.get("embed_model", w["model"]), runner="pooling", convert="embed",
+                  pooler_config=PoolerConfig(pooling_type=pooling) if pooling else None,
+                  enable_prefix_caching=False, **kwargs, **extra)
         info = {**_describe(llm), "load_s": time.perf_counter() - t0}
         _log(f"pooling engine ready in {info['load_s']:.1f} s: {info}")
         texts = tok(w["embed"])
+        if lora:
+            from vllm.lora.request import LoRARequest
+
+            request = {"lora_request": LoRARequest("embed", 1, lora)}
+        else:
+            request = {}
         t0 = time.perf_counter()
-        llm.embed(texts[:2], use_tqdm=False)  # warm-up, as the engine's side
+        llm.embed(texts[:2], use_tqdm=False, **request)  # warm-up, as the engine's side
         info["warmup_s"] = time.perf_counter() - t0
         outs = []
-        res["embed_per_s"] = len(texts) / _timed(lambda: outs.extend(llm.embed(texts, use_tqdm=False)))
+        res["embed_per_s"] = len(texts) / _timed(lambda: outs.extend(llm.embed(texts, use_tqdm=False, **request)))
         info["dim"] = len(outs[0].outputs.embedding)
+        info["first_vectors"] = [list(o.outputs.embedding) for o in outs[:4]]  # the parent checks they match its own
         meta["embed"] = info
         _shutdown(llm)
         del llm
