@@ -5,7 +5,7 @@ are embedding-only and full), then written as one Arrow shard of passages and on
 recorded as finished in `build.json`; only then does the next shard start. A killed build resumes from the last
 finished shard: the corpus is read again from the start and the finished shards' passages skipped (reading is
 cheap next to embedding). Once every shard is in, the index is trained on a seeded sample of `train_size` vectors
-and the shards are added one at a time, or, with `on_disk`, each shard becomes an inverted-file block merged on
+and the shards are added (`add_shards`: a graph index in one call), or, with `on_disk`, each shard becomes an inverted-file block merged on
 disk (`faiss.contrib.ondisk.merge_ondisk`) and searched memory-mapped. With `sparse` (an unbuilt BM25Retriever:
 its parameters), a BM25 index is built over the stored passages too (`bm25/`); with no embedder, only that (no
 vectors, no FAISS index).
@@ -37,7 +37,15 @@ from orthrus_rag.memory import release_free_memory
 from orthrus_rag.data.types import Passage
 from orthrus_rag.retrievers import store
 from orthrus_rag.retrievers.embedder import Embedder
-from orthrus_rag.retrievers.faiss_index import IndexSpec, configure, empty_index, import_faiss, sample_rows, train
+from orthrus_rag.retrievers.faiss_index import (
+    IndexSpec,
+    add_shards,
+    configure,
+    empty_index,
+    import_faiss,
+    sample_rows,
+    train,
+)
 from orthrus_rag.retrievers.passage_store import PassageStore, shard_name, write_shard
 from orthrus_rag.retrievers.sparse import BM25_DIR, BM25Retriever
 
@@ -197,8 +205,7 @@ class IndexBuilder:
         if self.on_disk:
             index = self._merge_on_disk(index, counts)
         else:
-            for number in range(len(counts)):
-                index.add(np.ascontiguousarray(self.vectors(number)))
+            add_shards(index, [self.vectors(number) for number in range(len(counts))])
         configure(index, self.spec)
         import_faiss().write_index(index, str(self.folder / store.INDEX_FILE))
 

@@ -5,8 +5,8 @@ again), searched with real questions embedded as a run embeds them.
     .venv/bin/python scripts/bench_search.py --index runs/resume200k/whole/index \\
         --queries ../shared/data/2wikimultihopqa_dev_first200.jsonl --threads 2
 
-Each spec is built the way `IndexBuilder` builds it (`empty_index`, `train` on a seeded `train_size` sample, the
-shards added one at a time, `configure`); then every query is searched on its own, as a run's question does, and
+Each spec is built the way `IndexBuilder` builds it (`empty_index`, `train` on a seeded `train_size` sample,
+`add_shards`, `configure`); then every query is searched on its own, as a run's question does, and
 its passages read from the memory-mapped store: p50 / p95 of that, queries/s of one batched call, recall@k
 against the flat index (the share of flat's top-k each index returns), and recall@k of the questions' supporting
 paragraphs (by title, as runs score it). Prints one JSON line per spec and a table.
@@ -25,7 +25,15 @@ import numpy as np
 
 from orthrus_rag.pipelines.evaluate import recall_at_k
 from orthrus_rag.retrievers import store
-from orthrus_rag.retrievers.faiss_index import IndexSpec, configure, empty_index, import_faiss, sample_rows, train
+from orthrus_rag.retrievers.faiss_index import (
+    IndexSpec,
+    add_shards,
+    configure,
+    empty_index,
+    import_faiss,
+    sample_rows,
+    train,
+)
 from orthrus_rag.retrievers.passage_store import PassageStore
 
 logger = logging.getLogger("bench_search")
@@ -55,8 +63,7 @@ def build(spec: IndexSpec, shards: list[np.ndarray], seed: int) -> tuple[object,
         rows, starts = sample_rows(n, spec.train_size, seed), np.cumsum([0, *counts])
         train(index, np.concatenate([np.asarray(s[rows[(rows >= a) & (rows < b)] - a])
                                      for s, a, b in zip(shards, starts[:-1], starts[1:])]), spec)
-    for s in shards:
-        index.add(np.ascontiguousarray(s))
+    add_shards(index, shards)
     configure(index, spec)
     return index, time.perf_counter() - started
 

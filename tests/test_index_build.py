@@ -193,3 +193,30 @@ def test_the_passage_store_reads_by_position(tmp_path: Path) -> None:
     (tmp_path / shard_name(2)).write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a passage shard"):
         PassageStore(tmp_path)
+
+
+def test_a_graph_index_gets_every_shard_in_one_add_and_others_shard_by_shard() -> None:
+    """FAISS's HNSW built from many adds found a quarter of flat's top-5 at 200k (BENCHMARKS.md, session 17)."""
+    import faiss
+
+    from orthrus_rag.retrievers.faiss_index import add_shards
+
+    def counting(base):  # noqa: ANN001, ANN202 (a faiss index class)
+        class Counting(base):
+            adds = 0
+
+            def add(self, x):  # noqa: ANN001, ANN202
+                type(self).adds += 1
+                return super().add(x)
+
+        return Counting
+
+    shards = [np.random.default_rng(i).standard_normal((50, 8)).astype(np.float32) for i in range(3)]
+    graph = counting(faiss.IndexHNSWFlat)(8, 4)
+    add_shards(graph, shards)
+    flat = counting(faiss.IndexFlatIP)(8)
+    add_shards(flat, shards)
+    assert (type(graph).adds, graph.ntotal) == (1, 150)
+    assert (type(flat).adds, flat.ntotal) == (3, 150)
+    _, ids = graph.search(shards[2][:1], 1)
+    assert ids[0, 0] == 100  # the shards keep their order
