@@ -121,6 +121,14 @@ def sample_rows(n: int, size: int, seed: int = 0) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
 
 
+def sample_shards(shards: Sequence[np.ndarray], size: int, seed: int = 0) -> np.ndarray:
+    """`sample_rows` of the shards' rows taken as one corpus, gathered shard by shard (never all in memory)."""
+    counts = [len(s) for s in shards]
+    rows, starts = sample_rows(sum(counts), size, seed), np.cumsum([0, *counts])
+    return np.concatenate([np.asarray(s[rows[(rows >= a) & (rows < b)] - a])
+                           for s, a, b in zip(shards, starts[:-1], starts[1:])])
+
+
 def build_index(vectors: np.ndarray, spec: IndexSpec) -> Any:
     """A CPU index holding `vectors` (float32 [n, d]), trained on a sample of them. May clip `spec.nlist`."""
     n, d = vectors.shape

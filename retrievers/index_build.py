@@ -43,7 +43,7 @@ from orthrus_rag.retrievers.faiss_index import (
     configure,
     empty_index,
     import_faiss,
-    sample_rows,
+    sample_shards,
     train,
 )
 from orthrus_rag.retrievers.passage_store import PassageStore, shard_name, write_shard
@@ -201,24 +201,14 @@ class IndexBuilder:
     def _assemble_dense(self, counts: list[int], d: int) -> None:
         n = sum(counts)
         index = empty_index(self.spec, d, n)
-        train(index, self._sample(counts, self.spec.train_size), self.spec)
+        train(index, sample_shards([self.vectors(i) for i in range(len(counts))], self.spec.train_size, self.seed),
+              self.spec)
         if self.on_disk:
             index = self._merge_on_disk(index, counts)
         else:
             add_shards(index, [self.vectors(number) for number in range(len(counts))])
         configure(index, self.spec)
         import_faiss().write_index(index, str(self.folder / store.INDEX_FILE))
-
-    def _sample(self, counts: list[int], size: int) -> np.ndarray:
-        """A seeded sample of the corpus's vectors, gathered shard by shard (never all of them in memory)."""
-        rows = sample_rows(sum(counts), size, self.seed)
-        starts = np.cumsum([0, *counts])
-        parts = []
-        for number in range(len(counts)):
-            mine = rows[(rows >= starts[number]) & (rows < starts[number + 1])] - starts[number]
-            if len(mine):
-                parts.append(np.asarray(self.vectors(number)[mine]))
-        return np.concatenate(parts)
 
     def _merge_on_disk(self, trained: Any, counts: list[int]) -> Any:
         """Each shard added to a copy of the trained index, written as a block; the blocks' inverted lists merged

@@ -31,7 +31,7 @@ from orthrus_rag.retrievers.faiss_index import (
     configure,
     empty_index,
     import_faiss,
-    sample_rows,
+    sample_shards,
     train,
 )
 from orthrus_rag.retrievers.passage_store import PassageStore
@@ -56,13 +56,9 @@ def shard_vectors(folder: Path) -> list[np.ndarray]:
 def build(spec: IndexSpec, shards: list[np.ndarray], seed: int) -> tuple[object, float]:
     """`spec`'s index over the shards, as IndexBuilder assembles it; and the seconds it took."""
     started = time.perf_counter()
-    counts = [len(s) for s in shards]
-    n, d = sum(counts), shards[0].shape[1]
-    index = empty_index(spec, d, n)
+    index = empty_index(spec, shards[0].shape[1], sum(len(s) for s in shards))
     if not index.is_trained:
-        rows, starts = sample_rows(n, spec.train_size, seed), np.cumsum([0, *counts])
-        train(index, np.concatenate([np.asarray(s[rows[(rows >= a) & (rows < b)] - a])
-                                     for s, a, b in zip(shards, starts[:-1], starts[1:])]), spec)
+        train(index, sample_shards(shards, spec.train_size, seed), spec)
     add_shards(index, shards)
     configure(index, spec)
     return index, time.perf_counter() - started
