@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -193,9 +194,12 @@ def test_an_old_saved_config_maps_onto_the_new_keys(tmp_path):
     (["retriever=bm25", "model=smollm2_backbone"], 1),
     (["cache.num_blocks=77"], 77),  # the user's own size stays
 ])
-def test_an_index_build_sizes_its_steps_and_kv_cache_for_embeddings_only(overrides, blocks):
+def test_an_index_build_sizes_its_steps_and_kv_cache_for_embeddings_only(overrides, blocks, monkeypatch):
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)  # NOTE: also undoes what _index_engine sets, after the test
     cfg = _compose(*overrides)
     app._index_engine(cfg)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0" and os.environ["LRU_CACHE_CAPACITY"] == "1"
     assert cfg.cache.num_blocks == blocks
     assert cfg.scheduler.max_num_batched_tokens >= app.INDEX_STEP_TOKENS
     assert cfg.scheduler.max_num_seqs >= app.INDEX_STEP_SEQS

@@ -141,7 +141,11 @@ INDEX_KV_TOKENS = 2 * INDEX_STEP_TOKENS
 
 def _index_engine(cfg: Any) -> None:
     """An index build's engine settings: embedding-only steps (at least INDEX_STEP_TOKENS tokens and
-    INDEX_STEP_SEQS sequences) and, unless `cache.num_blocks` is set, a KV cache of what those steps use."""
+    INDEX_STEP_SEQS sequences) and, unless `cache.num_blocks` is set, a KV cache of what those steps use; oneDNN's
+    per-shape caches off (a build's steps never repeat a shape: orthrus_rag/memory.py)."""
+    from orthrus_rag.memory import bound_shape_caches
+
+    bound_shape_caches()  # NOTE: before the engine loads: oneDNN reads these once, at its first primitive
     s, c = cfg.scheduler, cfg.cache
     s.max_num_batched_tokens = max(s.max_num_batched_tokens, INDEX_STEP_TOKENS)
     s.max_num_seqs = max(s.max_num_seqs, INDEX_STEP_SEQS)
