@@ -3,7 +3,9 @@
 `FakeEngine.step()` is `Engine.step()` with the runner replaced by made-up outputs: every scheduled request's
 `num_computed_tokens` advances by its chunk; a generating request whose known tokens are all computed
 "samples" a fake token and finishes at `max_tokens`; an embedding finishes with its last chunk; an encoder
-request finishes the step it runs. Every step is checked against the scheduler's and block manager's
+request finishes the step it runs. With a `clock` (a cost model taken as the truth), time passes: each step lasts
+what the clock predicts for its shape, requests arrive at the clock's time and each sampled token's time is kept
+(`token_times`), so latency targets can be checked. Every step is checked against the scheduler's and block manager's
 contracts (`check_schedule`), so a property test only has to drive requests through it.
 """
 
@@ -91,7 +93,10 @@ class _Before:
 
 class FakeEngine:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 cost_model: StepCostModel | None = None) -> None:
+                 cost_model: StepCostModel | None = None, clock: StepCostModel | None = None) -> None:
+        self.clock = clock
+        self.now = 0.0  # seconds on the clock (stays 0 without one)
+        self.token_times: dict[str, list[float]] = {}  # req_id -> when each output token was sampled (clock)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(config, self.block_manager, _stop_at_max_tokens, cost_model)
         self.requests: list[Request] = []  # every request ever added, in arrival order
@@ -108,7 +113,7 @@ class FakeEngine:
     # ---- the loop -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         # NOTE: as in the real engine, a request arrives when it is added (not when the test built it)
-        req.arrival_time = float(len(self.requests))
+        req.arrival_time = self.now if self.clock is not None else float(len(self.requests))
         self.requests.append(req)
         self.scheduler.add(req)
 
@@ -123,7 +128,7 @@ class FakeEngine:
                          decodes=[r for r in self.scheduler.running if r.is_decoding],
                          table_lens={id(r): len(r.block_table) for r in self.scheduler.running},
                          reserved=self.scheduler.policy.reserved_seqs(self.scheduler))
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.now if self.clock is not None else None)
         check_schedule(self, out, before)
         self.num_preemptions += len(out.preempted)
         self._execute(out)
@@ -149,7 +154,12 @@ class FakeEngine:
                 result.sampled[req.req_id] = fake_token(len(req.output_token_ids))
         for req in out.encoder:
             result.embeddings[req.req_id] = None
-        done = self.scheduler.update_from_output(out, result, float(self.num_steps))
+        if self.clock is not None:
+            self.now += self.clock.predict(out.shape())
+            for rid in result.sampled:
+                self.token_times.setdefault(rid, []).append(self.now)
+        done = self.scheduler.update_from_output(out, result, self.now if self.clock is not None
+                                                 else float(self.num_steps))
         for req in out.encoder:
             req.num_computed_tokens = req.num_tokens
         assert all(r.is_finished for r in done.finished)

@@ -52,20 +52,25 @@ def test_an_experiment_overrides_the_shared_settings_and_the_command_line_overri
 
 
 def test_ratio_sweep_with_a_peer(bench_script, tmp_path):
-    cfg = compose_bench("ratio_sweep", tmp_path, "systems=[orthrus,hetero-fcfs]", "peers=[hf]",
+    cfg = compose_bench("ratio_sweep", tmp_path, "systems=[orthrus,orthrus+slo,hetero-fcfs]", "peers=[hf]",
                         'experiment.ratios=["9:1","1:9"]', "experiment.clients=4", "experiment.duration_s=3", "experiment.warmup_s=0",
                         "++peer_options.hf.cb_num_blocks=64")
     bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     got = {(r["system"], r["group"]) for r in res["rows"]}
-    assert got == {(s, g) for s in ("orthrus", "hetero-fcfs", "hf") for g in ("9:1", "1:9")}
+    assert got == {(s, g) for s in ("orthrus", "orthrus+slo", "hetero-fcfs", "hf") for g in ("9:1", "1:9")}
     for r in res["rows"]:
         assert sum(k["completed"] for k in r["kinds"].values()) > 0 and r["unfinished"] == 0
         assert all(k["errors"] == 0 for k in r["kinds"].values())
     for r in res["rows"]:  # the engine's step log is there for in-process systems only
         assert ("steps" in r) == (r["system"] != "hf")
+    for r in res["rows"]:  # only the system with targets has them act
+        if r["system"] in ("orthrus", "hetero-fcfs"):
+            assert r["steps"]["itl_capped_frac"] == r["steps"]["generate_at_risk_frac"] == 0
+        if r["system"] == "orthrus" and r["group"] == "1:9":
+            assert 0 < r["steps"]["itl_p95_s"] <= r["steps"]["itl_max_s"]
     table = (tmp_path / "table.md").read_text()
-    assert "× hf" in table and table.count("| 9:1 |") == 3
+    assert "× hf" in table and table.count("| 9:1 |") == 4
     for name in ("throughput.png", "latency_cdf_9-1.png", "step_mix_1-9.png"):
         assert (tmp_path / name).stat().st_size > 0
 

@@ -355,6 +355,9 @@ def test_metrics_show_both_kinds_in_the_same_steps(served, client):
     assert metrics['orthrus_e2e_latency_seconds_count{kind="embed"}'] >= 18
     assert metrics["orthrus_time_to_first_token_seconds_count"] >= 1
     assert metrics['orthrus_step_tokens_count{kind="encoder"}'] >= 1
+    assert metrics["orthrus_inter_token_latency_seconds_count"] >= 1  # the generation's gaps, one per token
+    assert metrics["orthrus_time_per_output_token_seconds_count"] >= 1
+    assert metrics["orthrus_slo_itl_capped_steps_total"] == 0  # no target set
 
 
 def test_api_key(served, monkeypatch):

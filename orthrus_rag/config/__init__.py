@@ -13,6 +13,7 @@ rule of its owner, above this package.
 """
 
 from orthrus_rag.config.engine import (ADAPTER_KINDS, LORA_KERNELS, CacheConfig, EngineConfig, ModelConfig,
-                                       SchedulerConfig)
+                                       SchedulerConfig, SloConfig)
 
-__all__ = ["ADAPTER_KINDS", "LORA_KERNELS", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig"]
+__all__ = ["ADAPTER_KINDS", "LORA_KERNELS", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig",
+           "SloConfig"]

@@ -118,6 +118,34 @@ class CacheConfig:
 
 
 @dataclass
+class SloConfig:
+    """Per-kind latency targets for the orthrus policy (engine/core/slo.py); each None: no target of that kind.
+
+    `itl_s` bounds a decode's inter-token time: a step that carries decodes takes only the prompt and embedding
+    work the step-cost model predicts to fit in it (on every device). `generate_p95_s` / `embed_p95_s` are
+    end-to-end targets: a waiting or part-done request of that kind that has waited `risk_fraction` of its target
+    is at risk, and its kind gets the step's residual budget first (the other kind keeps its `min_share`). When
+    no target is at risk the remaining-token split decides, as without targets."""
+
+    itl_s: float | None = None
+    generate_p95_s: float | None = None
+    embed_p95_s: float | None = None
+    risk_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("itl_s", "generate_p95_s", "embed_p95_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"slo.{name} must be a positive number of seconds, got {value}")
+        if not 0.0 < self.risk_fraction <= 1.0:
+            raise ValueError(f"slo.risk_fraction must be in (0, 1], got {self.risk_fraction}")
+
+    @property
+    def is_set(self) -> bool:
+        return any(v is not None for v in (self.itl_s, self.generate_p95_s, self.embed_p95_s))
+
+
+@dataclass
 class SchedulerConfig:
     """Token budget per step and the policy that shares it."""
 
@@ -136,8 +164,11 @@ class SchedulerConfig:
     step_time_target: float | None = None
     step_time_margin: float = 1.0
     min_step_tokens: int = 32
+    slo: SloConfig = field(default_factory=SloConfig)  # per-kind latency targets (orthrus policy)
 
     def __post_init__(self) -> None:
+        if isinstance(self.slo, dict):  # NOTE: options by name (config/build.py) and plain dict nodes give a dict
+            self.slo = SloConfig(**self.slo)
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_chunk_tokens < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_chunk_tokens must be positive")
         if self.encoder_token_weight <= 0:
@@ -148,6 +179,10 @@ class SchedulerConfig:
             raise ValueError("step_time_margin must be >= 0 and min_step_tokens >= 1")
         if not 0.0 <= self.min_share <= 0.5:
             raise ValueError(f"min_share must be in [0, 0.5], got {self.min_share}")
+        if self.slo.is_set and self.policy != "orthrus":
+            raise ValueError(f"slo targets are the orthrus policy's; policy {self.policy!r} keeps its published rule")
+        if self.slo.itl_s is not None and self.cost_budget is False:
+            raise ValueError("slo.itl_s sizes steps by the step-cost model, which cost_budget=false turns off")
         # NOTE: the policy name is checked by the registry that owns the names (engine/core/policies.py
         # check_policy, called where an EngineConfig is made: config/build.py), so this module imports nothing of
         # the engine

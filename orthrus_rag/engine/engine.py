@@ -274,6 +274,7 @@ class Engine:
         stats.record_execution(result)
         # NOTE: the cost model learns the runner's device time (synchronised on CUDA), not the host's launch time
         done = self.scheduler.update_from_output(sched, result, time.monotonic(), result.seconds)
+        stats.decode_gaps = done.decode_gaps
         outputs = [self._output(req, done) for req in done.finished]
         outputs += [self._hand_off(req) for req in done.handoffs]
         outputs += [GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), stream_text(req),
@@ -390,10 +391,11 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def _sizes_steps_by_cost(config: EngineConfig) -> bool:
-    """`cost_budget`, with None meaning: on CUDA (decode steps have slack), off elsewhere (config/engine.py)."""
+    """`cost_budget`, with None meaning: on CUDA (decode steps have slack) or where an inter-token target
+    (`slo.itl_s`) needs step times predicted, off elsewhere (config/engine.py)."""
     if config.scheduler.cost_budget is not None:
         return config.scheduler.cost_budget
-    return torch.device(config.model.device).type == "cuda"
+    return torch.device(config.model.device).type == "cuda" or config.scheduler.slo.itl_s is not None
 
 
 def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,
@@ -409,7 +411,8 @@ def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_runn
             prefill += s.num_new_tokens
     return StepStats(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
                      len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
-                     kv_blocks_used)
+                     kv_blocks_used, embed_at_risk=sched.embed_at_risk, generate_at_risk=sched.generate_at_risk,
+                     itl_capped=sched.itl_capped)
 
 
 # ---- the loop around the engine -----------------------------------------------------------------------------

@@ -183,7 +183,9 @@ class _Tracker:
         if window_s is None:
             window_s = max((r.finish_s for r in self.records if r.finish_s is not None), default=0.0)
         steps = [{"t": round(t - self.t0, 4), "embed": s.num_embed_tokens, "prefill": s.num_prefill_tokens,
-                  "decode": s.num_decode_tokens, "encoder": s.num_encoder_tokens, "step_time": s.step_time}
+                  "decode": s.num_decode_tokens, "encoder": s.num_encoder_tokens, "step_time": s.step_time,
+                  "gaps": [round(g, 5) for g in s.decode_gaps], "itl_capped": s.itl_capped,
+                  "embed_at_risk": s.embed_at_risk, "generate_at_risk": s.generate_at_risk}
                  for t, s in list(self.step_log)]
         return RunResult(label, window_s, self.records, steps, cpu)
 
@@ -262,5 +264,13 @@ def summarize(result: RunResult) -> dict:
         out["steps"] = {k: sum(s[k] for s in result.steps) for k in ("embed", "prefill", "decode", "encoder")}
         out["steps"].update(num_steps=n, mixed_frac=sum(
             (s["embed"] + s["encoder"]) > 0 and (s["prefill"] + s["decode"]) > 0 for s in result.steps) / n)
+        # a decode's inter-token gaps (issue 37: what slo.itl_s bounds) and how often a latency target acted
+        gaps = np.array([g for s in result.steps for g in s.get("gaps", [])])
+        out["steps"].update(
+            itl_p50_s=float(np.percentile(gaps, 50)) if len(gaps) else None,
+            itl_p95_s=float(np.percentile(gaps, 95)) if len(gaps) else None,
+            itl_max_s=float(gaps.max()) if len(gaps) else None,
+            **{f"{key}_frac": sum(bool(s.get(key)) for s in result.steps) / n
+               for key in ("itl_capped", "embed_at_risk", "generate_at_risk")})
     out["cpu_mean_pct"] = float(np.mean([c for _, c in result.cpu])) if result.cpu else None
     return out

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orthrus_rag.engine.clients import SYSTEMS, EngineClient, RemoteClient, open_client
 from orthrus_rag.config.build import engine_config_from
+from orthrus_rag.config import SloConfig
 
 from .driver import RunResult
 from .peer_client import PEERS, peer_client
@@ -67,6 +69,9 @@ class Session:
 
 UNBOUNDED = 1 << 20
 REMOTE = "remote:"  # a system named remote:<base URL>: a running `orthrus-rag serve`, through its EngineClient
+# a system named <policy>+slo: that in-process system with bench.yaml's `slo` latency targets as its scheduler.slo
+# (issue 37: `systems=[orthrus,orthrus+slo]` runs today's policy beside the targeted one in one sweep)
+WITH_TARGETS = "+slo"
 
 
 def system_factory(system: str, cfg: DictConfig) -> Callable[[], EngineClient]:
@@ -78,11 +83,16 @@ def system_factory(system: str, cfg: DictConfig) -> Callable[[], EngineClient]:
         kwargs = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
         return lambda: peer_client(system, embed_model=cfg.model.name, temperature=cfg.workload.temperature,
                                    **kwargs)  # type: ignore[arg-type]
-    if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))} or "
-                         f"{REMOTE}<base URL>")
-    threads = tuple(cfg.threads.split) if system in ("dedicated", "disagg-pd") else cfg.threads.inproc
+    base = system.removesuffix(WITH_TARGETS)
+    if base not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))}, "
+                         f"<policy>{WITH_TARGETS} or {REMOTE}<base URL>")
+    threads = tuple(cfg.threads.split) if base in ("dedicated", "disagg-pd") else cfg.threads.inproc
     config = engine_config_from(cfg)  # bench.yaml's model, cache and scheduler nodes, as the CLI's
+    if base != system:
+        targets = SloConfig(**OmegaConf.to_container(cfg.slo, resolve=True))
+        config = replace(config, scheduler=replace(config.scheduler, policy=base, slo=targets))
+    system = base
     # NOTE: a load driver bounds what is in flight itself; the client's own limit must not refuse any of it
     return lambda: open_client(system, config, threads, max_in_flight=UNBOUNDED)
 

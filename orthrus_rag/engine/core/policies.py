@@ -16,6 +16,7 @@ from typing import Protocol
 
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.core.request import Request
+from orthrus_rag.engine.core.slo import LatencyTargets
 
 
 class SchedulerQueues:
@@ -27,6 +28,13 @@ class SchedulerQueues:
         self._pending: dict[bool, list[Request]] | None = None  # pending() snapshots while a step is scheduled
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # started decoder requests, oldest first
+        # per-kind latency targets (engine/core/slo.py); None: no target set
+        self.targets: LatencyTargets | None = LatencyTargets(config.slo) if config.slo.is_set else None
+        self.now = 0.0  # the clock of the step being scheduled (Scheduler.schedule)
+
+    def at_risk(self, embed: bool) -> bool:
+        """Whether a kind's pending work has waited long enough to put its latency target at risk (slo.py)."""
+        return self.targets is not None and self.targets.at_risk(self.pending(embed), embed, self.now)
 
     def pending(self, embed: bool) -> list[Request]:
         """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission
@@ -144,15 +152,24 @@ class OrthrusPolicy(_Base):
         if rem_e == 0 or rem_p == 0:
             self._carry = 0.0
             return first + ([Lane(embed, residual), Lane(prefill, residual)] if rem_e + rem_p else [])
-        share_e = min(max(rem_e / (rem_e + rem_p), self.min_share), 1.0 - self.min_share)
+        risk_e, risk_p = sched.at_risk(embed=True), sched.at_risk(embed=False)
+        if risk_e != risk_p:
+            # NOTE: one kind's latency target is at risk (slo.py): it takes all but the other kind's floor and
+            # fills first; measured before targets (issue 37): at 9:1 embed:generate a prompt got min_share of
+            # each step, so generation p95 was 5x the separate servers'
+            share_e = 1.0 - self.min_share if risk_e else self.min_share
+        else:
+            share_e = min(max(rem_e / (rem_e + rem_p), self.min_share), 1.0 - self.min_share)
         # NOTE: the fractional part carries over, so over a few steps each kind gets its share even when a
         # step's residual is too small to split (a tiny share would otherwise round to 0 for ever)
         want = residual * share_e + self._carry
         cap_e = int(want)
         self._carry = want - cap_e
         lanes = [Lane(embed, cap_e), Lane(prefill, residual - cap_e)]
-        # NOTE: the kind whose oldest pending request arrived first fills first (it matters for max_num_seqs)
-        if prefill and (not embed or prefill[0].arrival_time < embed[0].arrival_time):
+        # NOTE: the kind at risk, else the kind whose oldest pending request arrived first, fills first (it matters
+        # for max_num_seqs)
+        generate_first = risk_p if risk_e != risk_p else prefill[0].arrival_time < embed[0].arrival_time
+        if generate_first:
             lanes.reverse()
         return first + lanes
 

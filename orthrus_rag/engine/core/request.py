@@ -59,6 +59,7 @@ class Request:
     # timing, filled by the engine
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when the latest output token was sampled (inter-token gaps)
     finished_time: float | None = None
 
     def __post_init__(self) -> None:

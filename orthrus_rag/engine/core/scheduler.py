@@ -13,8 +13,9 @@ finished requests leaving the queues and freeing their blocks. The engine only t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orthrus_rag.config import SchedulerConfig
@@ -37,6 +38,11 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0  # decoder + encoder tokens in the step
     budget_used: int = 0  # against max_num_batched_tokens: encoder tokens count at their relative cost
+    # latency targets (engine/core/slo.py): the kinds whose target was at risk when the step was shared, and
+    # whether the decodes' inter-token target cut the step below its token budget
+    embed_at_risk: bool = False
+    generate_at_risk: bool = False
+    itl_capped: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -64,6 +70,7 @@ class StepResult:
     handoffs: list[Request] = field(default_factory=list)  # first token sampled; blocks kept until `release`
     embeddings: dict[str, Any] = field(default_factory=dict)  # req_id -> pooled result (finished ones)
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why pooling failed (finished ones)
+    decode_gaps: list[float] = field(default_factory=list)  # seconds since each sampled token's previous one
 
 
 class Scheduler(SchedulerQueues):
@@ -79,10 +86,12 @@ class Scheduler(SchedulerQueues):
         self.stop_checker = stop_checker or (lambda req: None)
         self.policy: Policy = make_policy(config.policy, config.min_share)
         # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
-        # (config.cost_budget None: the engine passes a model only where it applies)
+        # (config.cost_budget None: the engine passes a model only where it applies: on CUDA, or for slo.itl_s)
         self.cost_model = (cost_model if config.cost_budget is not False and self.policy.sizes_steps_by_cost
                            else None)
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
+        self._time_target: float | None = None  # this step's time bound, when decodes made the cost model size it
+        self._keys_per_token = 0.0  # the keys a prompt / embedding chunk token is expected to attend (_step_cap)
         # every unfinished request by id: the one registry of request state (waiting, running, handed off)
         self.requests: dict[str, Request] = {}
 
@@ -156,6 +165,9 @@ class Scheduler(SchedulerQueues):
                 if rid in output.logprobs:
                     req.output_logprobs.append(output.logprobs[rid])
                 req.first_token_time = req.first_token_time or now
+                if req.last_token_time is not None:
+                    result.decode_gaps.append(now - req.last_token_time)
+                req.last_token_time = now
                 reason = self.stop_checker(req)
                 if reason is not None:
                     self.finish(req, reason, now)
@@ -198,7 +210,10 @@ class Scheduler(SchedulerQueues):
         return True
 
     # ---- the step --------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """This step's work; `now` is the clock latency targets count against (time.monotonic(), as the requests'
+        arrival times)."""
+        self.now = time.monotonic() if now is None else now
         self._pending = {}
         try:
             return self._schedule_step()
@@ -238,6 +253,8 @@ class Scheduler(SchedulerQueues):
         for lane in self.policy.lanes(self, self._budget_left(out)):
             self._fill([r for r in lane.candidates if allowed[r.is_embed]], lane.cap, out)
         self._fill([r for r in self.policy.fallback(self) if allowed[r.is_embed]], None, out)
+        if self.targets is not None:
+            out.embed_at_risk, out.generate_at_risk = self.at_risk(embed=True), self.at_risk(embed=False)
         return out
 
     def _top_up(self, req: Request, left: int, out: SchedulerOutput) -> None:
@@ -267,14 +284,42 @@ class Scheduler(SchedulerQueues):
         """This step's token budget once its decodes are in: what fits in the step-time target beside them (a
         kind alone gets whole steps: without decodes the cap is max_num_batched_tokens)."""
         cfg, cost = self.config, self.cost_model
+        self._time_target = None
         if cost is None or not out.scheduled:
             return cfg.max_num_batched_tokens
         shape = out.shape()
-        target = cfg.step_time_target or (1.0 + cfg.step_time_margin) * cost.predict(shape)
+        target = self._decode_time_target(shape)
         chunks = [r.num_computed_tokens for r in self.running if not r.is_decoding]
         keys_per_token = (sum(chunks) / len(chunks) if chunks else 0.0) + cfg.max_chunk_tokens / 2
+        self._keys_per_token = keys_per_token
         extra = max(cost.tokens_within(shape, target, keys_per_token), cfg.min_step_tokens)
-        return min(cfg.max_num_batched_tokens, out.budget_used + extra)
+        cap = min(cfg.max_num_batched_tokens, out.budget_used + extra)
+        out.itl_capped = self.targets is not None and self.targets.itl_s is not None and cap < cfg.max_num_batched_tokens
+        return cap
+
+    def _decode_time_target(self, shape: StepShape) -> float:
+        """How long a step carrying decodes may take: the inter-token target (slo.itl_s) and `step_time_target`,
+        the tighter of those set; with neither, the decodes' own predicted time x (1 + step_time_margin). Kept
+        for the step's encoder admissions (`_encoder_fits`)."""
+        cfg = self.config
+        set_targets = [t for t in (self.targets.itl_s if self.targets else None, cfg.step_time_target) if t]
+        target = min(set_targets) if set_targets else (1.0 + cfg.step_time_margin) * self.cost_model.predict(shape)
+        self._time_target = target
+        return target
+
+    def _encoder_time_fit(self, req: Request, out: SchedulerOutput) -> bool | None:
+        """Whether a whole encoder request keeps a step with decodes within its time target (an encoder request
+        never splits, so the token cap alone cannot bound it): True, False (not in this step), or None: it would
+        overrun the target even beside the decodes alone, so no step with decodes can ever fit it."""
+        if self._time_target is None or not out.scheduled:
+            return True
+        base = out.shape()
+        with_req = replace(base, num_encoder_tokens=base.num_encoder_tokens + req.num_tokens)
+        if self.cost_model.predict(with_req) <= self._time_target:
+            return True
+        decodes = [s for s in out.scheduled if s.req.is_decoding]
+        alone = StepShape(len(decodes), sum(s.req.num_computed_tokens + 1 for s in decodes), req.num_tokens)
+        return None if self.cost_model.predict(alone) > self._time_target else False
 
     def _fill(self, candidates: list[Request], cap: int | None, out: SchedulerOutput) -> None:
         """Chunk candidates in order into at most `cap` budget tokens. In-flight requests continue (and may
@@ -300,7 +345,16 @@ class Scheduler(SchedulerQueues):
                 cost = self._encoder_cost(req)
                 # NOTE: an encoder request never splits. The first of a lane may overdraw the lane's cap (else a
                 # small share could never fit it); one that exceeds the whole budget runs alone.
-                fits = cost <= left or (used == 0 and cost <= self._budget_left(out))
+                time_fit = self._encoder_time_fit(req, out)
+                if time_fit is None:
+                    # NOTE: it can never fit beside decodes: it runs as the step's only encoder request, over the
+                    # time target, rather than wait for a step without decodes that a steady stream of generations
+                    # may never leave (the token budget still holds)
+                    fits = not out.encoder and out.budget_used + cost <= cfg.max_num_batched_tokens
+                    if fits:
+                        self._cap = max(self._cap, out.budget_used + cost)
+                else:
+                    fits = time_fit and (cost <= left or (used == 0 and cost <= self._budget_left(out)))
                 if not fits and not (out.is_empty and cost > cfg.max_num_batched_tokens):
                     admit = False
                     continue
@@ -310,6 +364,11 @@ class Scheduler(SchedulerQueues):
                 out.num_batched_tokens += req.num_tokens
                 out.budget_used += cost
                 used += cost
+                if self._time_target is not None and out.scheduled:
+                    # NOTE: the cap counted decoder tokens only: what time the encoder request took is not left
+                    # for the chunks after it
+                    left_tokens = self.cost_model.tokens_within(out.shape(), self._time_target, self._keys_per_token)
+                    self._cap = min(self._cap, out.budget_used + left_tokens)
                 continue
             if req in self.running:
                 num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)

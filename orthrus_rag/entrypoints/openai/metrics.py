@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from orthrus_rag.engine.core.block_manager import BlockManager
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (0, 1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
 STEP_KINDS = ("embed", "prefill", "decode", "encoder")
 
@@ -53,6 +54,16 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queueing = Histogram("orthrus_queueing_seconds", "Arrival to first scheduled step, by request kind",
                                   ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+        # NOTE: an embedding's latency is orthrus_e2e_latency_seconds{kind="embed"}; time to first token is a
+        # generation's (an embedding has one result, at its end)
+        self.itl = Histogram("orthrus_inter_token_latency_seconds", "Gap between a generation's consecutive "
+                             "sampled tokens, one observation per token", buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("orthrus_time_per_output_token_seconds", "A finished generation's mean time per "
+                              "output token after its first", buckets=ITL_BUCKETS, registry=r)
+        self.at_risk = Counter("orthrus_slo_at_risk_steps", "Engine steps shared while a kind's latency target "
+                               "(scheduler.slo) was at risk, by kind", ["kind"], registry=r)
+        self.itl_capped = Counter("orthrus_slo_itl_capped_steps", "Engine steps the inter-token target "
+                                  "(scheduler.slo.itl_s) cut below their token budget", registry=r)
         self._pending = pending
         self._num_steps = self._num_mixed = 0
         self._blocks = block_manager
@@ -84,6 +95,14 @@ class ServerMetrics:
         self.kv_used.set(stats.kv_blocks_used if self._blocks is None else self._blocks.num_used_blocks)
         if stats.num_preempted:
             self.preempted.inc(stats.num_preempted)
+        for gap in stats.decode_gaps:
+            self.itl.observe(gap)
+        if stats.embed_at_risk:
+            self.at_risk.labels("embed").inc()
+        if stats.generate_at_risk:
+            self.at_risk.labels("generate").inc()
+        if stats.itl_capped:
+            self.itl_capped.inc()
         if stats.num_prefix_hit_tokens > 0:  # NOTE: a preempted request's hits return (a negative step count)
             self.prefix_hits.inc(stats.num_prefix_hit_tokens)
 
@@ -98,6 +117,8 @@ class ServerMetrics:
             return
         if metrics.time_to_first_token is not None:
             self.ttft.observe(metrics.time_to_first_token)
+            if completion_tokens > 1 and metrics.finished_time is not None:
+                self.tpot.observe((metrics.finished_time - metrics.first_token_time) / (completion_tokens - 1))
         if metrics.e2e_latency is not None:
             self.e2e.labels(kind).observe(metrics.e2e_latency)
         if metrics.queueing_time is not None:
