@@ -158,3 +158,40 @@ def test_table_with_a_second_engine_run_takes_the_mean() -> None:
                         "orthrus (mean of both runs) / vllm default |")
     assert lines[2] == "| prefill tok/s | 900.0 | 1,300.0 | 1,000.0 | 1.10x |"
     assert lines[3] == "| embeddings/s | 12.0 | 8.0 | 10.0 | 1.00x |"
+
+
+def _dies(pid: int, within_s: float = 10.0) -> bool:
+    """The process is gone (or a zombie nobody reaped) within `within_s`: SIGKILL lands asynchronously."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_child_and_the_processes_it_started_die_with_it(tmp_path: Path) -> None:
+    """vLLM's EngineCore and workers are the child's children: a timeout, or the end of the child, takes the whole
+    process group (a plain subprocess timeout left them holding cores)."""
+    import subprocess
+
+    pid_file = tmp_path / "grandchild"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+            f" open({str(pid_file)!r}, 'w').write(str(p.pid)); print('ready', flush=True); time.sleep(600)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        vcb.run_group([sys.executable, "-c", code], dict(os.environ), timeout_s=5)
+    grandchild = int(pid_file.read_text())
+    assert _dies(grandchild)
+    # a child that exits on its own: its output and status come back, and what it left running dies too
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+            f" open({str(pid_file)!r}, 'w').write(str(p.pid)); print('done')")
+    assert vcb.run_group([sys.executable, "-c", code], dict(os.environ), timeout_s=30) == (0, "done\n")
+    grandchild = int(pid_file.read_text())
+    assert _dies(grandchild)

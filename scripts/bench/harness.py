@@ -141,6 +141,14 @@ def peer_python(cfg: DictConfig, peer: str) -> str | None:
     return str(path) if path.exists() else None
 
 
+def _peer_helpers() -> ModuleType:
+    """scripts/peers/vllm_core_bench.py (stdlib only), whose `run_group` runs a peer's process tree."""
+    sys.path.insert(0, str(ROOT / "scripts" / "peers"))
+    import vllm_core_bench
+
+    return vllm_core_bench
+
+
 def run_peer(peer: str, cfg: DictConfig, experiment: str) -> dict[str, dict] | None:
     """`run_local` for a peer in a subprocess; None (logged) when its venv is missing or it fails."""
     python = peer_python(cfg, peer)
@@ -153,9 +161,16 @@ def run_peer(peer: str, cfg: DictConfig, experiment: str) -> dict[str, dict] | N
         cmd = [python, str(Path(__file__).with_name("peer_main.py")), "--experiment", experiment,
                "--system", peer, "--config", str(cfg_path), "--out", str(out_path)]
         logger.info("peer %s: %s", peer, " ".join(cmd))
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=cfg.peer_timeout_s)
-        if proc.returncode != 0 or not out_path.exists():
-            logger.error("peer %s failed (exit code %s); its rows are missing", peer, proc.returncode)
+        run_group = _peer_helpers().run_group
+        try:
+            # NOTE: in its own process group, killed whole at the end: the peer's servers (vLLM's EngineCore and
+            # workers) must not outlive it and hold cores through the next system's run
+            returncode, _ = run_group(cmd, None, cfg.peer_timeout_s, capture=False, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            logger.error("peer %s timed out after %s s; its rows are missing", peer, cfg.peer_timeout_s)
+            return None
+        if returncode != 0 or not out_path.exists():
+            logger.error("peer %s failed (exit code %s); its rows are missing", peer, returncode)
             return None
         return json.loads(out_path.read_text())
 

@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import signal
 import tempfile
 import time
 import traceback
@@ -179,6 +180,29 @@ def parse_result(stdout: str) -> dict | None:
     return None
 
 
+def run_group(cmd: list[str], env: dict | None, timeout_s: float, capture: bool = True,
+              cwd: str | Path | None = None) -> tuple[int, str]:
+    """Run `cmd` in its own process group and kill the whole group when it ends, times out or this process is
+    interrupted: vLLM starts EngineCore and worker processes that a plain `subprocess.run` timeout (or a killed
+    benchmark) left running, each holding a core (BENCHMARKS.md, session 17). Returns the exit status and, with
+    `capture`, the output (else it goes to this process's)."""
+    # NOTE: output to a file, not a pipe: a process the child left behind keeps a pipe open, and reading it to its
+    # end would wait for that process, not for the child
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out if capture else None, text=True, start_new_session=True,
+                                cwd=cwd)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the group is gone already
+                pass
+            proc.wait()
+        out.seek(0)
+        return returncode, out.read()
+
+
 def run_variant(python: str | Path, workload: dict, variant: str, cpus: list[int], kv_cache_gib: float = 2.0,
                 timeout_s: float = 3600.0, verbose: bool = False) -> dict:
     """Run the child for one variant; always returns {"variant", "results", "meta", "error"} (error: str | None)."""
@@ -192,18 +216,18 @@ def run_variant(python: str | Path, workload: dict, variant: str, cpus: list[int
         env = child_env(cpus, kv_cache_gib, work, venv, verbose)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s, check=False)
+            returncode, stdout = run_group(cmd, env, timeout_s)
         except subprocess.TimeoutExpired:
             return {"variant": variant, "results": {}, "meta": {}, "error": f"timed out after {timeout_s:.0f} s"}
         wall = time.perf_counter() - t0
-    res = parse_result(proc.stdout)
+    res = parse_result(stdout)
     if verbose or res is None or res.get("error"):
-        tail = "\n".join(proc.stdout.splitlines()[-30:])
+        tail = "\n".join(stdout.splitlines()[-30:])
         if tail:
             print(f"[vllm {variant}] child stdout (tail):\n{tail}", file=sys.stderr)
     if res is None:
         return {"variant": variant, "results": {}, "meta": {"wall_s": wall},
-                "error": f"the vLLM child exited {proc.returncode} without a result (see its output above)"}
+                "error": f"the vLLM child exited {returncode} without a result (see its output above)"}
     res.pop(RESULT_KEY, None)
     res.setdefault("meta", {})["wall_s"] = wall
     return res
