@@ -90,7 +90,9 @@ class Scheduler(SchedulerQueues):
         self.cost_model = (cost_model if config.cost_budget is not False and self.policy.sizes_steps_by_cost
                            else None)
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
-        self._time_target: float | None = None  # this step's time bound, when decodes made the cost model size it
+        # this step's time bound when an inter-token target (slo.itl_s) sized it: whole encoder inputs are held to
+        # it as well (the margin rule without a target stays a token budget, as before targets)
+        self._time_target: float | None = None
         self._keys_per_token = 0.0  # the keys a prompt / embedding chunk token is expected to attend (_step_cap)
         # every unfinished request by id: the one registry of request state (waiting, running, handed off)
         self.requests: dict[str, Request] = {}
@@ -300,11 +302,12 @@ class Scheduler(SchedulerQueues):
     def _decode_time_target(self, shape: StepShape) -> float:
         """How long a step carrying decodes may take: the inter-token target (slo.itl_s) and `step_time_target`,
         the tighter of those set; with neither, the decodes' own predicted time x (1 + step_time_margin). Kept
-        for the step's encoder admissions (`_encoder_fits`)."""
+        for the step's encoder admissions (`_encoder_time_fit`) where an inter-token target set it."""
         cfg = self.config
-        set_targets = [t for t in (self.targets.itl_s if self.targets else None, cfg.step_time_target) if t]
+        itl = self.targets.itl_s if self.targets else None
+        set_targets = [t for t in (itl, cfg.step_time_target) if t]
         target = min(set_targets) if set_targets else (1.0 + cfg.step_time_margin) * self.cost_model.predict(shape)
-        self._time_target = target
+        self._time_target = target if itl is not None else None
         return target
 
     def _encoder_time_fit(self, req: Request, out: SchedulerOutput) -> bool | None:
