@@ -104,6 +104,10 @@ class PipelineConf:
     answer_format: str = "free"
     # the LoRA adapter every generation runs under (a name in model.adapters); None: the base model
     generation_adapter: str | None = None
+    # ircot (pipelines/ircot.py): reasoning sentences at most, passages the prompt holds at most, tokens a sentence
+    max_steps: int = 5
+    max_passages: int = 15
+    step_tokens: int = 48
 
 
 @dataclass

@@ -21,7 +21,8 @@ def validate(cfg: Any) -> None:
     """Check values that the schema's types cannot, before anything heavy happens."""
     from orthrus_rag.data.loaders import DATASETS
     from orthrus_rag.pipelines.answers import check_answer_format
-    from orthrus_rag.pipelines.iter_retgen import PIPELINES, check_settings
+    from orthrus_rag.pipelines.method import check_settings
+    from orthrus_rag.pipelines.registry import PIPELINES
     from orthrus_rag.retrievers.faiss_index import IndexSpec
 
     _choice(cfg.dataset.name, tuple(DATASETS), "dataset")
@@ -50,6 +51,10 @@ def validate(cfg: Any) -> None:
     owned("pipeline", lambda: check_settings(iterations=p.iterations, max_concurrency=p.max_concurrency,
                                              question_timeout_s=p.question_timeout_s), keyed=True)
     owned("pipeline", lambda: check_answer_format(p.answer_format))
+    if p.name == "ircot":
+        from orthrus_rag.pipelines.ircot import check_ircot
+
+        owned("pipeline", lambda: check_ircot(p.max_steps, p.max_passages, p.step_tokens), keyed=True)
     from orthrus_rag.engine.core.policies import check_policy
 
     engine = engine_config_from(cfg)  # the engine's parts check their own values

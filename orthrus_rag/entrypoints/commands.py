@@ -186,9 +186,9 @@ def index(cfg: Any) -> Path:
     return out
 
 
-def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> IterRetGen
+def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method
     from orthrus_rag.params import SamplingParams
-    from orthrus_rag.pipelines import IterRetGen, default_concurrency
+    from orthrus_rag.pipelines import IRCoT, IterRetGen, default_concurrency
 
     p = cfg.pipeline
     admitted = default_concurrency(client.max_in_flight)
@@ -197,15 +197,21 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> IterRetGen
         logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
                        concurrency, client.name, admitted, admitted)
         concurrency = admitted
-    return IterRetGen(client, retriever, iterations=_iterations(cfg), k=cfg.retriever.k,
-                      sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                                                     adapter=p.generation_adapter),
-                      chat_template=client.tokenizer if p.chat_template else None, max_concurrency=concurrency,
-                      question_timeout_s=p.question_timeout_s, answer_format=p.answer_format)
+    shared = {"k": cfg.retriever.k, "chat_template": client.tokenizer if p.chat_template else None,
+              "sampling_params": SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                                adapter=p.generation_adapter),
+              "max_concurrency": concurrency, "question_timeout_s": p.question_timeout_s,
+              "answer_format": p.answer_format}
+    if p.name == "ircot":
+        return IRCoT(client, retriever, max_steps=p.max_steps, max_passages=p.max_passages,
+                     step_tokens=p.step_tokens, **shared)
+    return IterRetGen(client, retriever, iterations=_iterations(cfg), **shared)
 
 
 def _iterations(cfg: Any) -> int:
-    return 1 if cfg.pipeline.name == "standard_rag" else cfg.pipeline.iterations
+    """Iter-RetGen's iterations (standard RAG: 1); IRCoT's step limit."""
+    p = cfg.pipeline
+    return 1 if p.name == "standard_rag" else p.max_steps if p.name == "ircot" else p.iterations
 
 
 def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:
