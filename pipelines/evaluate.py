@@ -134,6 +134,9 @@ class RunScores:
             typed.add(m, getattr(rec, m))
         typed.add("n", 1.0)
         self.means.add("answer_found", float(bool(rec.iterations) and rec.iterations[-1].answer_found))
+        # NOTE: how often a method alternates the two kinds (issue 38): its recorded steps, and those that retrieved
+        self.means.add("steps", float(len(rec.iterations)))
+        self.means.add("retrievals", float(sum(1 for it in rec.iterations if it.retrieved)))
         for key, value in rec.recall.items():
             self.means.add(key, value)
         self.latency.append(rec.latency_s)
@@ -156,6 +159,8 @@ class RunScores:
         summary.update({m: self.means.mean(m) for m in METRICS})
         summary["raw_generation"] = {m: self.means.mean(f"raw_{m}") for m in METRICS}
         summary["answer_found_rate"] = self.means.mean("answer_found")
+        summary["steps_per_question"] = self.means.mean("steps")
+        summary["retrievals_per_question"] = self.means.mean("retrievals")
         summary.update({
             "wall_time_s": wall,
             "throughput_qps": ok / wall if wall > 0 else float("nan"),
@@ -189,6 +194,8 @@ def format_table(summary: dict[str, Any]) -> str:
     rows += [(m.upper() if m != "acc" else "acc", f"{_num(summary[m])}   (raw generation {_num(raw.get(m))})")
              for m in METRICS]
     rows.append(("answer phrase found", _num(summary.get("answer_found_rate"))))
+    rows += [(label, _num(summary.get(key))) for label, key in (("steps / question", "steps_per_question"),
+                                                                ("retrievals / question", "retrievals_per_question"))]
     rows += [(k, _num(v)) for k, v in summary.items() if k.startswith("recall@")]
     rows += [("throughput (q/s)", _num(summary["throughput_qps"])), ("wall time (s)", _num(summary["wall_time_s"]))]
     for stage in ("latency_s", "retrieve_s", "generate_s"):

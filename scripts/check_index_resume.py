@@ -59,6 +59,11 @@ def run_index(run_dir: Path, args: list[str], kill_after_shards: int | None = No
             "peak_rss_gib": round(peak / 2**30, 2), "killed": killed, "returncode": proc.returncode}
 
 
+def _finished(folder: Path) -> bool:
+    """The build in `folder` ran to its end (the index's manifest is written last)."""
+    return (folder / "index" / "manifest.json").is_file()
+
+
 def vectors(folder: Path) -> np.ndarray:
     return np.concatenate([np.load(p) for p in sorted((folder / "index" / "vectors").glob("shard-*.npy"))])
 
@@ -92,6 +97,9 @@ def main() -> int:
     ap.add_argument("--num-queries", type=int, default=100)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--kill-at", type=float, default=0.5, help="fraction of the shards recorded before the kill")
+    ap.add_argument("--continue", dest="cont", action="store_true",
+                    help="keep what an earlier, stopped run of this check into --out finished: a finished build "
+                         "(its manifest written) is not built again, and a killed build is resumed, not restarted")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for both builds (after --)")
     args = ap.parse_args()
     from orthrus_rag.data import load_qa
@@ -105,12 +113,19 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     whole, cut = args.out / "whole", args.out / "resumed"
     kill = max(1, int(shards * args.kill_at))
-    # NOTE: each row as its build ends: a 200k-passage check runs over an hour
-    print(json.dumps({"build": "uninterrupted", "passages": total, **run_index(whole, [*base, f"run_dir={whole}"])}),
-          flush=True)
-    print(json.dumps({"build": "killed", "after_shards": kill, "of_shards": shards,
-                      **run_index(cut, [*base, f"run_dir={cut}"], kill_after_shards=kill)}), flush=True)
-    print(json.dumps({"build": "resumed", **run_index(cut, [f"resume={cut}", "progress=false"])}), flush=True)
+    # NOTE: each row as its build ends: a 200k-passage check runs over an hour (and may be continued later)
+    if args.cont and _finished(whole):
+        print(json.dumps({"build": "uninterrupted", "kept": str(whole)}), flush=True)
+    else:
+        print(json.dumps({"build": "uninterrupted", "passages": total,
+                          **run_index(whole, [*base, f"run_dir={whole}"])}), flush=True)
+    if args.cont and (cut / "index" / "build.json").is_file():
+        print(json.dumps({"build": "killed", "kept": str(cut)}), flush=True)
+    else:
+        print(json.dumps({"build": "killed", "after_shards": kill, "of_shards": shards,
+                          **run_index(cut, [*base, f"run_dir={cut}"], kill_after_shards=kill)}), flush=True)
+    if not (args.cont and _finished(cut)):
+        print(json.dumps({"build": "resumed", **run_index(cut, [f"resume={cut}", "progress=false"])}), flush=True)
     a, b = vectors(whole), vectors(cut)
     questions = [ex.question for ex in load_qa("2wiki", path=str(args.queries), limit=args.num_queries)]
     ids_a = top_k(whole, questions, args.k, base)

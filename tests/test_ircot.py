@@ -118,4 +118,9 @@ def test_ircot_runs_end_to_end_on_the_small_models(tmp_path: Path):
         assert 1 <= len(steps) <= 3 and steps[0]["query"] == r["question"]
         assert all(s["query"] == prev["generation"] for prev, s in itertools.pairwise(steps))
         assert r["prediction"] == steps[-1]["answer"]
-    assert json.loads((tmp_path / "summary.json").read_text())["config"]["pipeline"] == "ircot"
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["config"]["pipeline"] == "ircot"
+    steps = sum(len(r["iterations"]) for r in records) / 3
+    retrievals = sum(sum(1 for s in r["iterations"] if s["retrieved"]) for r in records) / 3
+    assert saved["steps_per_question"] == pytest.approx(steps) and saved["retrievals_per_question"] == pytest.approx(retrievals)
+    assert saved["retrievals_per_question"] >= 1  # the question's own, at least

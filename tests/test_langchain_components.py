@@ -13,7 +13,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
 from orthrus_rag.integrations.langchain import (ChatOrthrus, IterRetGenRunnable, LocalOrthrus, OrthrusEmbeddings,
-                                                OrthrusRetriever)
+                                                OrthrusRetriever, RAGRunnable)
 from tests.conftest import MINILM, SERVED_REFERENCE_TEXTS
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
@@ -97,6 +97,21 @@ def test_iter_retgen_runnable_in_process(local, retriever):
     assert [e["event"] for e in events] == ["iteration", "iteration", "final"]
     assert [e["iteration"] for e in events[:2]] == [1, 2]
     assert events[-1]["prediction"] == events[-1]["iterations"][-1]["answer"]
+
+
+@pytest.mark.parametrize("method, options", [("ircot", {"max_steps": 2, "step_tokens": 8}),
+                                             ("flare", {"max_steps": 2, "step_tokens": 8, "threshold": 0.99}),
+                                             ("self_ask", {"max_follow_ups": 1, "step_tokens": 8})])
+def test_every_method_is_a_runnable(local, retriever, method, options):
+    chat = ChatOrthrus(engine=local)
+    rag = RAGRunnable(retriever, chat, method=method, k=2, max_tokens=8, **options)
+    rec = rag.invoke({"question": QUESTIONS[0], "answers": ["Jane Austen"]})
+    assert rec["error"] is None and 1 <= len(rec["iterations"]) <= 2
+    assert rec["prediction"] == rec["iterations"][-1]["answer"]
+    if method == "flare":  # at 0.99 some token is unsure: the chat response's logprobs made it retrieve
+        assert any(it["retrieved"] for it in rec["iterations"])
+    events = list(rag.stream(QUESTIONS[1]))
+    assert events[-1]["event"] == "final" and all(e["event"] == "iteration" for e in events[:-1])
 
 
 def test_components_against_the_server(served):

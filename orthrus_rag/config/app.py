@@ -104,10 +104,13 @@ class PipelineConf:
     answer_format: str = "free"
     # the LoRA adapter every generation runs under (a name in model.adapters); None: the base model
     generation_adapter: str | None = None
-    # ircot (pipelines/ircot.py): reasoning sentences at most, passages the prompt holds at most, tokens a sentence
+    # ircot / flare: reasoning sentences at most; ircot: passages the prompt holds at most; ircot / flare /
+    # self_ask: tokens of one step's generation (a sentence, a follow-up question or its answer)
     max_steps: int = 5
     max_passages: int = 15
     step_tokens: int = 48
+    threshold: float = 0.4  # flare: a token less likely than this makes its sentence retrieve
+    max_follow_ups: int = 4  # self_ask: follow-up questions at most before the answer is asked for
 
 
 @dataclass

@@ -188,7 +188,8 @@ def index(cfg: Any) -> Path:
 
 def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method
     from orthrus_rag.params import SamplingParams
-    from orthrus_rag.pipelines import IRCoT, IterRetGen, default_concurrency
+    from orthrus_rag.pipelines import default_concurrency
+    from orthrus_rag.pipelines.registry import make_method
 
     p = cfg.pipeline
     admitted = default_concurrency(client.max_in_flight)
@@ -197,21 +198,24 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method
         logger.warning("pipeline.max_concurrency=%d is more than %s admits (%d questions); using %d",
                        concurrency, client.name, admitted, admitted)
         concurrency = admitted
-    shared = {"k": cfg.retriever.k, "chat_template": client.tokenizer if p.chat_template else None,
-              "sampling_params": SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                                                adapter=p.generation_adapter),
-              "max_concurrency": concurrency, "question_timeout_s": p.question_timeout_s,
-              "answer_format": p.answer_format}
-    if p.name == "ircot":
-        return IRCoT(client, retriever, max_steps=p.max_steps, max_passages=p.max_passages,
-                     step_tokens=p.step_tokens, **shared)
-    return IterRetGen(client, retriever, iterations=_iterations(cfg), **shared)
+    own = {"iter_retgen": {"iterations": p.iterations},
+           "ircot": {"max_steps": p.max_steps, "max_passages": p.max_passages, "step_tokens": p.step_tokens},
+           "flare": {"max_steps": p.max_steps, "threshold": p.threshold, "step_tokens": p.step_tokens},
+           "self_ask": {"max_follow_ups": p.max_follow_ups, "step_tokens": p.step_tokens}}.get(p.name, {})
+    return make_method(p.name, client, retriever, k=cfg.retriever.k,
+                       chat_template=client.tokenizer if p.chat_template else None,
+                       sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                                      adapter=p.generation_adapter),
+                       max_concurrency=concurrency, question_timeout_s=p.question_timeout_s,
+                       answer_format=p.answer_format, **own)
 
 
 def _iterations(cfg: Any) -> int:
-    """Iter-RetGen's iterations (standard RAG: 1); IRCoT's step limit."""
+    """The most generations a question runs: Iter-RetGen's iterations (standard RAG: 1), IRCoT's and FLARE's step
+    limit, Self-Ask's follow-ups and its answer."""
     p = cfg.pipeline
-    return 1 if p.name == "standard_rag" else p.max_steps if p.name == "ircot" else p.iterations
+    limits = {"standard_rag": 1, "ircot": p.max_steps, "flare": p.max_steps, "self_ask": p.max_follow_ups + 1}
+    return limits.get(p.name, p.iterations)
 
 
 def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""Iter-RetGen as a LangChain `Runnable`: `invoke` / `ainvoke` answer one question, `batch` / `abatch` answer many
-concurrently (their embeddings and generations meet in the engine's steps), `stream` / `astream` yield one event
-per iteration as it finishes and then the final record. The pipeline is the project's own `IterRetGen`."""
+"""Every RAG method as a LangChain `Runnable` (`RAGRunnable(method="ircot")`; `IterRetGenRunnable` is Iter-RetGen's):
+`invoke` / `ainvoke` answer one question, `batch` / `abatch` answer many concurrently (their embeddings and
+generations meet in the engine's steps), `stream` / `astream` yield one event per step as it finishes and then the
+final record. The methods are the project's own (orthrus_rag/pipelines/)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
@@ -16,15 +18,16 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from orthrus_rag.data.types import QAExample
 from orthrus_rag.integrations.langchain.chat_models import ChatOrthrus
 from orthrus_rag.params import SamplingParams
-from orthrus_rag.pipelines.iter_retgen import IterRetGen
+from orthrus_rag.pipelines.registry import make_method
 
 T = TypeVar("T")
 QuestionInput = str | dict[str, Any]
 
 
 class _ChatGenerator:
-    """IterRetGen's generator over a `ChatOrthrus`'s transport: each prompt is one user message, rendered by
-    the model's chat template on the serving side (in-process or the server)."""
+    """A method's generator over a `ChatOrthrus`'s transport: each prompt is one user message, rendered by
+    the model's chat template on the serving side (in-process or the server). Asked for logprobs (FLARE), it
+    returns each token's text and probability from the response's."""
 
     def __init__(self, chat: ChatOrthrus) -> None:
         self.chat = chat
@@ -38,13 +41,19 @@ class _ChatGenerator:
             "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             **({"seed": params.seed} if params.seed is not None else {}),
             **({"stop": list(params.stop)} if params.stop else {}),
-            **({"structured_outputs": params.structured_outputs.as_request()} if params.structured_outputs else {})})
-        return _Text(body["choices"][0]["message"]["content"] or "")
+            **({"structured_outputs": params.structured_outputs.as_request()} if params.structured_outputs else {}),
+            **({"logprobs": True} if params.logprobs is not None else {})})
+        choice = body["choices"][0]
+        content = (choice.get("logprobs") or {}).get("content")
+        pieces = [(c["token"], math.exp(c["logprob"])) for c in content] if content is not None else None
+        return _Text(choice["message"]["content"] or "", pieces)
 
 
 class _Text:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, pieces: list[tuple[str, float]] | None = None) -> None:
         self.text = text
+        if pieces is not None:  # NOTE: absent, not None, when not asked for: FLARE then says it needs logprobs
+            self.pieces = pieces
 
 
 def _example(value: QuestionInput, index: int = 0) -> QAExample:
@@ -52,21 +61,24 @@ def _example(value: QuestionInput, index: int = 0) -> QAExample:
         return QAExample(f"q{index}", value, [])
     if isinstance(value, dict) and isinstance(value.get("question"), str):
         return QAExample(str(value.get("id", f"q{index}")), value["question"], list(value.get("answers", [])))
-    raise TypeError("Iter-RetGen takes a question string or a dict with a 'question' (and optional 'answers', 'id')")
+    raise TypeError("a RAG method takes a question string or a dict with a 'question' (and optional 'answers', 'id')")
 
 
-class IterRetGenRunnable(Runnable[QuestionInput, dict[str, Any]]):
-    """`retriever`: an `OrthrusRetriever` or a `DenseRetriever`; `chat`: the `ChatOrthrus` that generates.
-    Output: the question's record (`prediction`, `iterations` with each query, passages and output, EM/F1
-    when answers were given)."""
+class RAGRunnable(Runnable[QuestionInput, dict[str, Any]]):
+    """`retriever`: an `OrthrusRetriever` or a `DenseRetriever`; `chat`: the `ChatOrthrus` that generates;
+    `method`: a name of `orthrus_rag.pipelines.PIPELINES` (iter_retgen, standard_rag, no_retrieval, ircot, flare,
+    self_ask), `options` its own settings (`iterations`; `max_steps`, `max_passages`, `step_tokens`; `threshold`;
+    `max_follow_ups`). Output: the question's record (`prediction`, `iterations` with each step's query, passages
+    and output, EM/F1 when answers were given)."""
 
-    def __init__(self, retriever: Any, chat: ChatOrthrus, iterations: int = 2, k: int = 5, max_tokens: int = 96,
-                 temperature: float = 0.0, answer_format: str = "free", generation_adapter: str | None = None) -> None:
+    def __init__(self, retriever: Any, chat: ChatOrthrus, method: str = "iter_retgen", k: int = 5,
+                 max_tokens: int = 96, temperature: float = 0.0, answer_format: str = "free",
+                 generation_adapter: str | None = None, **options: Any) -> None:
         dense = getattr(retriever, "retriever", retriever)
-        self.pipeline = IterRetGen(_ChatGenerator(chat), dense, iterations=iterations, k=k,
-                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                                  adapter=generation_adapter),
-                                   answer_format=answer_format)
+        self.pipeline = make_method(method, _ChatGenerator(chat), dense, k=k,
+                                    sampling_params=SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                   adapter=generation_adapter),
+                                    answer_format=answer_format, **options)
 
     # ---- async -------------------------------------------------------------------------------------------------
     async def ainvoke(self, input: QuestionInput, config: RunnableConfig | None = None,
@@ -137,6 +149,15 @@ class IterRetGenRunnable(Runnable[QuestionInput, dict[str, Any]]):
             if tag == "done":
                 return
             yield value
+
+
+class IterRetGenRunnable(RAGRunnable):
+    """Iter-RetGen's runnable: `RAGRunnable(method="iter_retgen", iterations=...)`."""
+
+    def __init__(self, retriever: Any, chat: ChatOrthrus, iterations: int = 2, k: int = 5, max_tokens: int = 96,
+                 temperature: float = 0.0, answer_format: str = "free", generation_adapter: str | None = None) -> None:
+        super().__init__(retriever, chat, "iter_retgen", k, max_tokens, temperature, answer_format,
+                         generation_adapter, iterations=iterations)
 
 
 def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
