@@ -10,7 +10,6 @@ generation writes on to the answer under the run's `answer_format`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -18,9 +17,8 @@ from typing import Any
 from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
-from orthrus_rag.pipelines.answers import parse_answer, parse_final
-from orthrus_rag.pipelines.ircot import first_sentence
-from orthrus_rag.pipelines.method import Hits, Method, passage_refs
+from orthrus_rag.pipelines.chain import chain_answer, continued, first_sentence, sentence_params
+from orthrus_rag.pipelines.method import Hits, Method, add_new, passage_refs
 from orthrus_rag.pipelines.prompts import build_prompt
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
 from orthrus_rag.retrievers.kinds import Retriever
@@ -87,17 +85,13 @@ class FLARE(Method):
                          question_timeout_s, answer_format)
         self.tokenizer = tokenizer or getattr(client, "tokenizer", None)  # only for outputs without pieces
         self.max_steps, self.threshold = max_steps, threshold
-        stop = list(self.sampling_params.stop or []) + ["\n"]
         # NOTE: logprobs=0: each sampled token's own log-probability, no alternatives
-        self.lookahead_params = dataclasses.replace(self.sampling_params, max_tokens=step_tokens, stop=stop,
-                                                    logprobs=0)
-        self.step_params = dataclasses.replace(self.sampling_params, max_tokens=step_tokens, stop=stop)
+        self.lookahead_params = sentence_params(self.sampling_params, step_tokens, logprobs=0)
+        self.step_params = sentence_params(self.sampling_params, step_tokens)
 
     def _prompt(self, question: str, passages: Hits | None, thoughts: list[str]) -> str:
-        head = self.render(build_prompt(question, [p for p, _ in passages] if passages is not None else None))
-        if not thoughts:
-            return head
-        return head + ("" if head.endswith(("\n", " ")) else " ") + " ".join(thoughts)
+        passages_shown = [p for p, _ in passages] if passages is not None else None
+        return continued(self.render(build_prompt(question, passages_shown)), thoughts)
 
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
         passages: Hits | None = None  # what the latest retrieval found; None until the model is first unsure
@@ -115,17 +109,15 @@ class FLARE(Method):
                     query = masked_query(pieces, self.threshold) or ex.question
                     hits, retrieve_s = await self.retrieve(query)
                     passages = hits
-                    held = {p.id for p, _ in used}
-                    used += [h for h in hits if h[0].id not in held]
+                    used = add_new(used, hits)
                     prompt = self._prompt(ex.question, passages, thoughts)
                     again, seconds = await self.generate(prompt, self.step_params)
                     generate_s += seconds
                     sentence = first_sentence(again.text)
             thoughts.append(sentence)
-            parsed = (parse_final(sentence, self.answer_format, ex.question) if final and self.answer_format != "free"
-                      else parse_answer(" ".join(thoughts), ex.question))
+            parsed, ends = chain_answer(thoughts, final, self.answer_format, ex.question)
             await emit(IterationRecord(t, query, passage_refs(hits), prompt, sentence, parsed.answer, retrieve_s,
                                        generate_s, parsed.found))
-            if final or parse_answer(sentence, ex.question).found or not sentence:
+            if ends:
                 break
         return used

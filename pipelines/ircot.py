@@ -10,30 +10,17 @@ reasoning sentence.
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
-from orthrus_rag.pipelines.answers import parse_answer, parse_final
-from orthrus_rag.pipelines.method import Hits, Method, passage_refs
+from orthrus_rag.pipelines.chain import chain_answer, continued, first_sentence, sentence_params
+from orthrus_rag.pipelines.method import Hits, Method, add_new, passage_refs
 from orthrus_rag.pipelines.prompts import build_prompt
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
 from orthrus_rag.retrievers.kinds import Retriever
-
-# a sentence ends at . ! or ? followed by a space or the end (a reasoning step of the demonstrations' kind)
-_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of a generation (all of it when it has no full stop: cut by the token budget)."""
-    text = text.strip()
-    match = _SENTENCE_END.search(text)
-    return text[: match.end()] if match else text
-
 
 def check_ircot(max_steps: int, max_passages: int, step_tokens: int) -> None:
     if max_steps < 1:
@@ -60,17 +47,7 @@ class IRCoT(Method):
         super().__init__(client, retriever, k, sampling_params, chat_template, max_concurrency, recall_ks,
                          question_timeout_s, answer_format)
         self.max_steps, self.max_passages = max_steps, max_passages
-        # NOTE: one sentence is wanted; a new line ends a step's generation early (the demonstrations' answers
-        # are one line), and the rest past the first sentence is dropped
-        stop = list(self.sampling_params.stop or []) + ["\n"]
-        self.step_params = dataclasses.replace(self.sampling_params, max_tokens=step_tokens, stop=stop)
-
-    def _prompt(self, question: str, passages: Hits, thoughts: list[str]) -> str:
-        """The rendered prompt with the chain so far as the start of the answer."""
-        head = self.render(build_prompt(question, [p for p, _ in passages]))
-        if not thoughts:
-            return head
-        return head + ("" if head.endswith(("\n", " ")) else " ") + " ".join(thoughts)
+        self.step_params = sentence_params(self.sampling_params, step_tokens)
 
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
         query = ex.question
@@ -79,18 +56,16 @@ class IRCoT(Method):
         thoughts: list[str] = []
         for t in range(1, self.max_steps + 1):
             final = t == self.max_steps
-            prompt = self._prompt(ex.question, passages, thoughts)
+            prompt = continued(self.render(build_prompt(ex.question, [p for p, _ in passages])), thoughts)
             out, generate_s = await self.generate(prompt, self.final_params if final else self.step_params)
             sentence = out.text.strip() if final else first_sentence(out.text)
             thoughts.append(sentence)
-            parsed = (parse_final(sentence, self.answer_format, ex.question) if final and self.answer_format != "free"
-                      else parse_answer(" ".join(thoughts), ex.question))
+            parsed, ends = chain_answer(thoughts, final, self.answer_format, ex.question)
             await emit(IterationRecord(t, query, passage_refs(hits), prompt, sentence, parsed.answer, retrieve_s,
                                        generate_s, parsed.found))
-            if final or parse_answer(sentence, ex.question).found or not sentence:
+            if ends:
                 break
             query = sentence
             hits, retrieve_s = await self.retrieve(query)
-            held = {p.id for p, _ in passages}
-            passages += [h for h in hits if h[0].id not in held][: max(0, self.max_passages - len(passages))]
+            passages = add_new(passages, hits, self.max_passages)
         return passages

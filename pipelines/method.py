@@ -72,6 +72,13 @@ def _is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, EngineUnavailable)
 
 
+def add_new(held: Hits, hits: Hits, limit: int | None = None) -> Hits:
+    """`held` and, after it, the passages of `hits` it does not hold yet (by id), `limit` in all at most."""
+    ids = {p.id for p, _ in held}
+    fresh = [h for h in hits if h[0].id not in ids]
+    return held + (fresh if limit is None else fresh[: max(0, limit - len(held))])
+
+
 def passage_refs(hits: Hits) -> list[dict[str, Any]]:
     """Retrieved passages as a record keeps them."""
     return [{"id": p.id, "title": p.title, "score": float(s)} for p, s in hits]

@@ -20,7 +20,8 @@ from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
 from orthrus_rag.pipelines.answers import parse_answer, parse_final
-from orthrus_rag.pipelines.method import Hits, Method, passage_refs
+from orthrus_rag.pipelines.chain import sentence_params
+from orthrus_rag.pipelines.method import Hits, Method, add_new, passage_refs
 from orthrus_rag.pipelines.prompts import ANSWER_PHRASE, build_prompt
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
 from orthrus_rag.retrievers.kinds import Retriever
@@ -87,7 +88,7 @@ class SelfAsk(Method):
         # NOTE: the model would answer its own follow-up from memory next: stop there, retrieve and answer it
         self.ask_params = dataclasses.replace(self.sampling_params, max_tokens=step_tokens,
                                               stop=[*stop, INTERMEDIATE])
-        self.answer_params = dataclasses.replace(self.sampling_params, max_tokens=step_tokens, stop=[*stop, "\n"])
+        self.answer_params = sentence_params(self.sampling_params, step_tokens)
 
     def _transcript_prompt(self, question: str, transcript: str) -> str:
         head = self.render(self_ask_prompt(question))
@@ -111,8 +112,7 @@ class SelfAsk(Method):
                                            parsed.found))
                 return used
             hits, retrieve_s = await self.retrieve(follow_up)
-            held = {p.id for p, _ in used}
-            used += [h for h in hits if h[0].id not in held]
+            used = add_new(used, hits)
             answer_prompt = self.render(build_prompt(follow_up, [p for p, _ in hits]))
             reply, seconds = await self.generate(answer_prompt, self.answer_params)
             intermediate = parse_answer(reply.text, follow_up)

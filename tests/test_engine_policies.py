@@ -25,10 +25,8 @@ def reference(smol_engine):
                            texts=TEXTS, pooling_params=PoolingParams(pooling="mean"))
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_policy_gives_identical_results(policy, smol_engine, reference):
-    sched = replace(smol_engine.config.scheduler, policy=policy, max_num_batched_tokens=48, max_chunk_tokens=16)
-    engine = Engine(replace(smol_engine.config, scheduler=sched), smol_engine.runner.model, smol_engine.tokenizer)
+def _run_as_the_reference(engine: Engine, reference) -> None:
+    """The mixed workload on `engine`: the reference's greedy tokens and embeddings."""
     gens, embs = engine.run(prompts=PROMPTS, sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
                                                                             ignore_eos=True),
                             texts=TEXTS, pooling_params=PoolingParams(pooling="mean"))
@@ -36,6 +34,13 @@ def test_policy_gives_identical_results(policy, smol_engine, reference):
     assert [g.token_ids for g in gens] == [g.token_ids for g in ref_gens]
     for a, b in zip(embs, ref_embs):
         assert torch.allclose(a.embedding, b.embedding, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_policy_gives_identical_results(policy, smol_engine, reference):
+    sched = replace(smol_engine.config.scheduler, policy=policy, max_num_batched_tokens=48, max_chunk_tokens=16)
+    engine = Engine(replace(smol_engine.config, scheduler=sched), smol_engine.runner.model, smol_engine.tokenizer)
+    _run_as_the_reference(engine, reference)
     steps = list(engine.step_stats)
     assert all(s.ran_as_scheduled for s in steps)  # is_mixed below counts what each forward carried
     if policy == "unified-homo":
@@ -54,13 +59,7 @@ def test_latency_targets_change_timing_never_results(smol_engine, reference):
                     slo=SloConfig(itl_s=1e-4, generate_p95_s=1e-3))  # NOTE: unreachable: every decode step is cut
     engine = Engine(replace(smol_engine.config, scheduler=sched), smol_engine.runner.model, smol_engine.tokenizer)
     assert engine.scheduler.cost_model is not None and engine.scheduler.cost_model.num_observed > 0
-    gens, embs = engine.run(prompts=PROMPTS, sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
-                                                                            ignore_eos=True),
-                            texts=TEXTS, pooling_params=PoolingParams(pooling="mean"))
-    ref_gens, ref_embs = reference
-    assert [g.token_ids for g in gens] == [g.token_ids for g in ref_gens]
-    for a, b in zip(embs, ref_embs):
-        assert torch.allclose(a.embedding, b.embedding, atol=1e-5)
+    _run_as_the_reference(engine, reference)
     steps = list(engine.step_stats)
     assert sum(len(s.decode_gaps) for s in steps) == len(PROMPTS) * 9  # 10 tokens: 9 gaps each
     assert all(g > 0 for s in steps for g in s.decode_gaps)

@@ -13,7 +13,7 @@ import pytest
 
 from orthrus_rag.data.types import Passage, QAExample
 from orthrus_rag.pipelines import IRCoT
-from orthrus_rag.pipelines.ircot import first_sentence
+from orthrus_rag.pipelines.chain import first_sentence
 
 QUESTION = "Who is the mother of the director of Lake Film?"
 
