@@ -125,11 +125,11 @@ class StepStats:
     num_adapters: int = 0  # distinct adapters with rows in the forward
     # prompt tokens this step's admissions found in the prefix cache (net of preempted ones' returned hits)
     num_prefix_hit_tokens: int = 0
-    # latency targets (scheduler.slo): the kinds at risk when the step was shared, whether the inter-token target
+    # latency targets (scheduler.slo): the kinds at risk when the step was shared, whether a target's time bound
     # cut the step below its token budget, and each sampled token's gap since its request's previous token
     embed_at_risk: bool = False
     generate_at_risk: bool = False
-    itl_capped: bool = False
+    time_capped: bool = False
     decode_gaps: list[float] = field(default_factory=list)
 
     @property

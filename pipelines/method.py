@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import time
@@ -31,6 +32,15 @@ logger = logging.getLogger(__name__)
 REQUESTS_PER_QUESTION = 1  # a question waits on one query embedding or one generation at a time
 Hits = list[tuple[Passage, float]]
 OnIteration = Callable[[IterationRecord], Awaitable[None] | None]
+# the record of the question whose loop is running: `Method.generate` counts its generated tokens there (a
+# question's sub-tasks, e.g. Self-Ask's, inherit it), so no method has to pass the count along
+_QUESTION: contextvars.ContextVar[QARecord | None] = contextvars.ContextVar("orthrus_question", default=None)
+
+
+def generated_tokens(out: Any) -> int:
+    """Tokens a generation produced: its ids (this engine's outputs, the peers'), else a chat response's count."""
+    ids = getattr(out, "token_ids", None)
+    return len(ids) if ids is not None else int(getattr(out, "num_tokens", 0) or 0)
 
 
 def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> int:
@@ -132,6 +142,9 @@ class Method:
         """One generation (default: the method's sampling parameters), and the seconds it took."""
         t0 = time.perf_counter()
         out = await self.client.generate(prompt, params or self.sampling_params)
+        rec = _QUESTION.get()
+        if rec is not None:
+            rec.generated_tokens += generated_tokens(out)
         return out, time.perf_counter() - t0
 
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
@@ -157,7 +170,11 @@ class Method:
                 if done is not None:
                     await done
 
-        passages = await self._loop(rec, ex, emit)
+        token = _QUESTION.set(rec)
+        try:
+            passages = await self._loop(rec, ex, emit)
+        finally:
+            _QUESTION.reset(token)
         rec.latency_s = time.perf_counter() - start
         rec.prediction = rec.iterations[-1].answer if rec.iterations else ""
         for name, value in answer_scores(rec.prediction, rec.golden_answers).items():

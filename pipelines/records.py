@@ -39,6 +39,7 @@ class QARecord:
     acc: float = 0.0
     recall: dict[str, float | None] = field(default_factory=dict)  # "recall@k" of the last retrieval
     latency_s: float = 0.0
+    generated_tokens: int = 0  # over every generation of the question's loop (how much a method generates)
     error: str | None = None
     # the failure was the serving system's, not the question's (its replica died, the question timed out): a
     # resume asks it again (`retry_failed`), where a bad input would only fail the same way

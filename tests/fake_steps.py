@@ -98,7 +98,10 @@ class FakeEngine:
         self.now = 0.0  # seconds on the clock (stays 0 without one)
         self.token_times: dict[str, list[float]] = {}  # req_id -> when each output token was sampled (clock)
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(config, self.block_manager, _stop_at_max_tokens, cost_model)
+        # NOTE: as the engine (engine.py): a model given for latency targets alone bounds steps by them only; else
+        # the cost budget's own rule applies
+        margin = config.cost_budget if config.cost_budget is not None else not config.slo.bounds_step_time
+        self.scheduler = Scheduler(config, self.block_manager, _stop_at_max_tokens, cost_model, decode_margin=margin)
         self.requests: list[Request] = []  # every request ever added, in arrival order
         self.admitted: list[Request] = []  # in order of first admission
         self.chunks: dict[str, list[tuple[int, int]]] = {}  # req_id -> [(num_computed_tokens before, n)]

@@ -66,7 +66,7 @@ def test_ratio_sweep_with_a_peer(bench_script, tmp_path):
         assert ("steps" in r) == (r["system"] != "hf")
     for r in res["rows"]:  # only the system with targets has them act
         if r["system"] in ("orthrus", "hetero-fcfs"):
-            assert r["steps"]["itl_capped_frac"] == r["steps"]["generate_at_risk_frac"] == 0
+            assert r["steps"]["time_capped_frac"] == r["steps"]["generate_at_risk_frac"] == 0
         if r["system"] == "orthrus" and r["group"] == "1:9":
             assert 0 < r["steps"]["itl_p95_s"] <= r["steps"]["itl_max_s"]
     table = (tmp_path / "table.md").read_text()
@@ -181,3 +181,24 @@ def test_iter_retgen_commands_compose_as_app_configs(bench_script, tmp_path):
         assert (app_cfg.scheduler.max_num_batched_tokens, app_cfg.scheduler.max_num_seqs) == (64, 12)
     assert got == {"orthrus": ("orthrus", "engine", None), "hetero-fcfs": ("hetero-fcfs", "engine", None),
                    "dedicated": ("orthrus", "dedicated", [1, 1]), "disagg-pd": ("orthrus", "disagg-pd", [1, 1])}
+
+
+def test_iter_retgen_compares_methods_in_one_table(bench_script, tmp_path):
+    """experiment.methods (issue 38): each method runs as `pipeline=<method>` into out/<method>/<system>/, and one
+    table holds them all with what each retrieves and generates per question."""
+    cfg = compose_bench("iter_retgen", tmp_path, "experiment.dataset_path=null", "experiment.app_experiment=smoke",
+                        "experiment.limit=1", "experiment.methods=[standard_rag,ircot]",
+                        "experiment.policies=[orthrus]", "experiment.peers=[]",
+                        'experiment.overrides=["pipeline.max_tokens=8","pipeline.step_tokens=8",'
+                        '"pipeline.max_steps=2"]')
+    bench_script.run(cfg)
+    res = json.loads((tmp_path / "results.json").read_text())["methods"]
+    assert set(res) == {"standard_rag", "ircot"} and all(set(r) == {"orthrus"} for r in res.values())
+    assert res["standard_rag"]["orthrus"]["retrievals_per_question"] == 1
+    assert res["ircot"]["orthrus"]["retrievals_per_question"] >= 1
+    for method in res:
+        assert res[method]["orthrus"]["generated_tokens_per_question"] > 0
+        assert res[method]["orthrus"]["config"]["pipeline"] == method
+        assert (tmp_path / method / "orthrus" / "records.jsonl").is_file()
+    rows = [line.split(" | ") for line in (tmp_path / "table.md").read_text().splitlines()[2:]]
+    assert [(r[0].lstrip("| "), r[1]) for r in rows] == [("standard_rag", "orthrus"), ("ircot", "orthrus")]

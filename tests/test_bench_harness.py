@@ -166,7 +166,9 @@ def test_peer_requests_carry_instruction_truncation_and_vectors_back():
         def poll(self, timeout_s):  # noqa: ANN001
             return [{"request_id": "e0", "kind": "embed", "n_tokens": 3, "embedding": [0.6, 0.8]},
                     {"request_id": "g0", "kind": "generate", "n_tokens": 2, "text": "Paris"},
-                    {"request_id": "g1", "kind": "generate", "n_tokens": 0, "error": "ValueError: too long"}]
+                    {"request_id": "g1", "kind": "generate", "n_tokens": 0, "error": "ValueError: too long"},
+                    {"request_id": "g2", "kind": "generate", "n_tokens": 2, "text": "Rome.",
+                     "token_ids": [11, 12], "logprobs": [[11, -0.1], [12, -2.5]]}]
 
         def shutdown(self) -> None:
             pass
@@ -177,7 +179,14 @@ def test_peer_requests_carry_instruction_truncation_and_vectors_back():
     client.submit("generate", "g0", "Q:", SamplingParams(max_tokens=4, temperature=0.0))
     assert peer.sent[0] == ("embed", "e0", "query: capital of France", {"truncate": True, "return_embedding": True})
     assert peer.sent[1][3] == {"max_tokens": 4, "temperature": 0.0, "ignore_eos": False}
-    emb, gen, bad = client.poll(0.0)
+    # what the iterative methods ask (issue 38): a sentence's stop string, and (FLARE) each token's logprob
+    client.submit("generate", "g2", "Q:", SamplingParams(max_tokens=8, stop=["\n"], logprobs=0))
+    assert peer.sent[2][3] == {"max_tokens": 8, "temperature": 1.0, "ignore_eos": False, "stop": ["\n"],
+                               "logprobs": 0}
+    emb, gen, bad, flare = client.poll(0.0)
+    assert flare.token_ids == [11, 12] and [(lp.token_id, lp.logprob) for lp in flare.logprobs] == [(11, -0.1),
+                                                                                                   (12, -2.5)]
+    assert gen.logprobs is None
     assert torch.equal(emb.embedding, torch.tensor([0.6, 0.8])) and emb.error is None
     assert (gen.text, len(gen.token_ids), gen.finish_reason) == ("Paris", 2, "length")
     assert bad.finish_reason == "error" and "too long" in bad.text

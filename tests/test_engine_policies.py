@@ -63,5 +63,5 @@ def test_latency_targets_change_timing_never_results(smol_engine, reference):
     steps = list(engine.step_stats)
     assert sum(len(s.decode_gaps) for s in steps) == len(PROMPTS) * 9  # 10 tokens: 9 gaps each
     assert all(g > 0 for s in steps for g in s.decode_gaps)
-    assert any(s.itl_capped for s in steps) and any(s.generate_at_risk for s in steps)
+    assert any(s.time_capped for s in steps) and any(s.generate_at_risk for s in steps)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

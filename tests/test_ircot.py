@@ -124,3 +124,6 @@ def test_ircot_runs_end_to_end_on_the_small_models(tmp_path: Path):
     retrievals = sum(sum(1 for s in r["iterations"] if s["retrieved"]) for r in records) / 3
     assert saved["steps_per_question"] == pytest.approx(steps) and saved["retrievals_per_question"] == pytest.approx(retrievals)
     assert saved["retrievals_per_question"] >= 1  # the question's own, at least
+    # every generation of a question's chain counts its tokens (a step: a sentence of <= 16, the last <= 24)
+    assert all(1 <= r["generated_tokens"] <= 24 * len(r["iterations"]) for r in records)
+    assert saved["generated_tokens_per_question"] == pytest.approx(sum(r["generated_tokens"] for r in records) / 3)

@@ -357,7 +357,7 @@ def test_metrics_show_both_kinds_in_the_same_steps(served, client):
     assert metrics['orthrus_step_tokens_count{kind="encoder"}'] >= 1
     assert metrics["orthrus_inter_token_latency_seconds_count"] >= 1  # the generation's gaps, one per token
     assert metrics["orthrus_time_per_output_token_seconds_count"] >= 1
-    assert metrics["orthrus_slo_itl_capped_steps_total"] == 0  # no target set
+    assert metrics["orthrus_slo_time_capped_steps_total"] == 0  # no target set
 
 
 def test_api_key(served, monkeypatch):

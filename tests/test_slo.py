@@ -128,6 +128,36 @@ def test_an_embedding_at_risk_fills_first_beside_a_prompt_backlog():
     assert out.embed_at_risk and sum(s.num_new_tokens for s in out.scheduled if s.req.req_id == "e") == 256
 
 
+def test_an_embedding_target_bounds_every_step_so_an_arrival_waits_at_most_two():
+    """A prompt backlog (no decodes yet) would take whole 512-token steps (~0.53 s each); with `embed_p95_s` every
+    step is held to half the target, and each embedding that arrives mid-step finishes within the target."""
+    def run(slo: SloConfig | None) -> FakeEngine:
+        eng = _engine(slo, sized=slo is not None)
+        arrivals = [(0, make_request(f"p{i}", "generate", 500, 2), None) for i in range(20)]
+        arrivals += [(3 * i + 1, make_request(f"e{i}", "embed", 40), None) for i in range(10)]
+        eng.run(arrivals)
+        return eng
+
+    target = 0.2
+    bounded, plain = run(SloConfig(embed_p95_s=target)), run(None)
+    late = [r.finished_time - r.arrival_time for r in bounded.requests if r.req_id.startswith("e")]
+    assert len(late) == 10 and max(late) <= target + 1e-9, late
+    assert max(r.finished_time - r.arrival_time for r in plain.requests if r.req_id.startswith("e")) > 2 * target
+    assert all(r.is_finished for r in bounded.requests)  # the prompts still all finish
+    # a loose target (above two whole steps) never binds: the same schedule as without it
+    loose = run(SloConfig(embed_p95_s=100.0))
+    assert loose.chunks == plain.chunks
+
+
+def test_the_step_bound_is_the_tighter_target_that_applies():
+    from orthrus_rag.engine.core.slo import LatencyTargets
+
+    both = LatencyTargets(SloConfig(itl_s=0.05, embed_p95_s=0.3))
+    assert both.step_time_bound(with_decodes=True) == 0.05 and both.step_time_bound(with_decodes=False) == 0.15
+    assert LatencyTargets(SloConfig(itl_s=0.05)).step_time_bound(with_decodes=False) is None
+    assert LatencyTargets(SloConfig(generate_p95_s=2.0)).step_time_bound(with_decodes=True) is None
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"itl_s": 0}, "slo.itl_s must be a positive"),
     ({"embed_p95_s": -1.0}, "slo.embed_p95_s must be a positive"),
@@ -143,6 +173,8 @@ def test_targets_belong_to_the_orthrus_policy_and_need_the_cost_model():
         SchedulerConfig(policy="hetero-fcfs", slo={"generate_p95_s": 2.0})
     with pytest.raises(ValueError, match="cost_budget=false"):
         SchedulerConfig(cost_budget=False, slo={"itl_s": 0.1})
+    with pytest.raises(ValueError, match="cost_budget=false"):
+        SchedulerConfig(cost_budget=False, slo={"embed_p95_s": 0.5})
 
 
 def test_prometheus_counts_gaps_and_steps_at_risk():
@@ -152,7 +184,7 @@ def test_prometheus_counts_gaps_and_steps_at_risk():
     from orthrus_rag.outputs import StepStats
 
     metrics = ServerMetrics(SimpleNamespace(observe_steps=lambda observer: None))
-    metrics.observe_step(StepStats(0, 0, 0, 3, 0, 3, 0, 3, 0, 1, generate_at_risk=True, itl_capped=True,
+    metrics.observe_step(StepStats(0, 0, 0, 3, 0, 3, 0, 3, 0, 1, generate_at_risk=True, time_capped=True,
                                    decode_gaps=[0.01, 0.05, 0.3]))
     metrics.observe_step(StepStats(1, 8, 0, 0, 0, 1, 0, 1, 0, 1, embed_at_risk=True))
     text = metrics.render().decode()
@@ -160,7 +192,7 @@ def test_prometheus_counts_gaps_and_steps_at_risk():
     assert 'orthrus_inter_token_latency_seconds_bucket{le="0.06"} 2.0' in text
     assert 'orthrus_slo_at_risk_steps_total{kind="generate"} 1.0' in text
     assert 'orthrus_slo_at_risk_steps_total{kind="embed"} 1.0' in text
-    assert "orthrus_slo_itl_capped_steps_total 1.0" in text
+    assert "orthrus_slo_time_capped_steps_total 1.0" in text
 
 
 def test_targets_are_cli_keys_and_a_bad_one_is_named_by_its_key():

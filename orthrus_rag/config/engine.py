@@ -125,7 +125,8 @@ class SloConfig:
     work the step-cost model predicts to fit in it (on every device). `generate_p95_s` / `embed_p95_s` are
     end-to-end targets: a waiting or part-done request of that kind that has waited `risk_fraction` of its target
     is at risk, and its kind gets the step's residual budget first (the other kind keeps its `min_share`). When
-    no target is at risk the remaining-token split decides, as without targets."""
+    no target is at risk the remaining-token split decides, as without targets. `embed_p95_s` also holds every
+    step's predicted time to half of it (engine/core/slo.py)."""
 
     itl_s: float | None = None
     generate_p95_s: float | None = None
@@ -143,6 +144,11 @@ class SloConfig:
     @property
     def is_set(self) -> bool:
         return any(v is not None for v in (self.itl_s, self.generate_p95_s, self.embed_p95_s))
+
+    @property
+    def bounds_step_time(self) -> bool:
+        """Whether a target sizes steps by predicted time (the step-cost model must be on)."""
+        return self.itl_s is not None or self.embed_p95_s is not None
 
 
 @dataclass
@@ -181,8 +187,9 @@ class SchedulerConfig:
             raise ValueError(f"min_share must be in [0, 0.5], got {self.min_share}")
         if self.slo.is_set and self.policy != "orthrus":
             raise ValueError(f"slo targets are the orthrus policy's; policy {self.policy!r} keeps its published rule")
-        if self.slo.itl_s is not None and self.cost_budget is False:
-            raise ValueError("slo.itl_s sizes steps by the step-cost model, which cost_budget=false turns off")
+        if self.slo.bounds_step_time and self.cost_budget is False:
+            raise ValueError("slo.itl_s and slo.embed_p95_s size steps by the step-cost model, which "
+                             "cost_budget=false turns off")
         # NOTE: the policy name is checked by the registry that owns the names (engine/core/policies.py
         # check_policy, called where an EngineConfig is made: config/build.py), so this module imports nothing of
         # the engine

@@ -76,7 +76,8 @@ class Engine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.scheduler = Scheduler(config.scheduler, self.block_manager, partial(
             update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
-            StepCostModel() if _sizes_steps_by_cost(config) else None)
+            StepCostModel() if _sizes_steps_by_cost(config) or config.scheduler.slo.bounds_step_time else None,
+            decode_margin=_sizes_steps_by_cost(config))
         self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len,
                                   min(self.eos_token_ids) if self.eos_token_ids else None)
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
@@ -391,11 +392,12 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def _sizes_steps_by_cost(config: EngineConfig) -> bool:
-    """`cost_budget`, with None meaning: on CUDA (decode steps have slack) or where an inter-token target
-    (`slo.itl_s`) needs step times predicted, off elsewhere (config/engine.py)."""
+    """`cost_budget`, with None meaning: on CUDA (decode steps have slack), off elsewhere (config/engine.py). A
+    latency target that bounds step time (`slo.itl_s`, `slo.embed_p95_s`) turns the step-cost model on too, but
+    then only the target bounds steps."""
     if config.scheduler.cost_budget is not None:
         return config.scheduler.cost_budget
-    return torch.device(config.model.device).type == "cuda" or config.scheduler.slo.itl_s is not None
+    return torch.device(config.model.device).type == "cuda"
 
 
 def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,
@@ -412,7 +414,7 @@ def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_runn
     return StepStats(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
                      len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
                      kv_blocks_used, embed_at_risk=sched.embed_at_risk, generate_at_risk=sched.generate_at_risk,
-                     itl_capped=sched.itl_capped)
+                     time_capped=sched.time_capped)
 
 
 # ---- the loop around the engine -----------------------------------------------------------------------------

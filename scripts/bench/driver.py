@@ -184,7 +184,7 @@ class _Tracker:
             window_s = max((r.finish_s for r in self.records if r.finish_s is not None), default=0.0)
         steps = [{"t": round(t - self.t0, 4), "embed": s.num_embed_tokens, "prefill": s.num_prefill_tokens,
                   "decode": s.num_decode_tokens, "encoder": s.num_encoder_tokens, "step_time": s.step_time,
-                  "gaps": [round(g, 5) for g in s.decode_gaps], "itl_capped": s.itl_capped,
+                  "gaps": [round(g, 5) for g in s.decode_gaps], "time_capped": s.time_capped,
                   "embed_at_risk": s.embed_at_risk, "generate_at_risk": s.generate_at_risk}
                  for t, s in list(self.step_log)]
         return RunResult(label, window_s, self.records, steps, cpu)
@@ -271,6 +271,6 @@ def summarize(result: RunResult) -> dict:
             itl_p95_s=float(np.percentile(gaps, 95)) if len(gaps) else None,
             itl_max_s=float(gaps.max()) if len(gaps) else None,
             **{f"{key}_frac": sum(bool(s.get(key)) for s in result.steps) / n
-               for key in ("itl_capped", "embed_at_risk", "generate_at_risk")})
+               for key in ("time_capped", "embed_at_risk", "generate_at_risk")})
     out["cpu_mean_pct"] = float(np.mean([c for _, c in result.cpu])) if result.cpu else None
     return out

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, TokenLogprob
 from orthrus_rag.params import PoolingParams, SamplingParams
 
 PEERS = ("vllm", "hf")
@@ -28,6 +28,12 @@ def sampling_dict(params: SamplingParams | PoolingParams | None) -> dict[str, An
                            "ignore_eos": params.ignore_eos}
     if params.seed is not None:
         out["seed"] = params.seed
+    # NOTE: what the iterative methods ask (issue 38): a sentence ends at a new line, and FLARE reads each sampled
+    # token's logprob; a peer that ignored them would generate (and be timed on) different work
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.logprobs is not None:
+        out["logprobs"] = params.logprobs
     return out
 
 
@@ -50,9 +56,12 @@ def to_output(d: dict[str, Any]) -> GenerationOutput | EmbeddingOutput:
     """A peer's completion dict as this project's output (what the drivers and the bridge read)."""
     rid, err = d["request_id"], d.get("error")
     if d["kind"] == "generate":
-        # NOTE: the drivers count generated tokens; the ids themselves stay in the peer
-        return GenerationOutput(rid, [], [0] * int(d.get("n_tokens", 0)), err or d.get("text", ""),
-                                "error" if err else "length")
+        # NOTE: the drivers count generated tokens; the ids come back only where logprobs were asked (FLARE)
+        ids = d.get("token_ids") or [0] * int(d.get("n_tokens", 0))
+        logprobs = ([TokenLogprob(int(t), float(lp), []) for t, lp in d["logprobs"]]
+                    if d.get("logprobs") is not None else None)
+        return GenerationOutput(rid, [], ids, err or d.get("text", ""), "error" if err else "length",
+                                logprobs=logprobs)
     import torch
 
     vector = torch.tensor(d["embedding"], dtype=torch.float32) if "embedding" in d else torch.empty(0)

@@ -156,6 +156,9 @@ def _engine_main(role: str, model: str, llm_kwargs: dict, env: dict, pin_cpus: l
                         res["n_tokens"] = len(comp.token_ids)
                         res["prompt_tokens"] = len(out.prompt_token_ids or [])
                         res["text"] = comp.text
+                        if comp.logprobs is not None:  # asked for (FLARE): each sampled token's own logprob
+                            res["token_ids"] = list(comp.token_ids)
+                            res["logprobs"] = [[t, pos[t].logprob] for t, pos in zip(comp.token_ids, comp.logprobs)]
                     else:
                         res["n_tokens"] = len(out.prompt_token_ids or [])
                         if want.get("return_embedding"):

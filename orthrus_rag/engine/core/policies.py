@@ -31,10 +31,11 @@ class SchedulerQueues:
         # per-kind latency targets (engine/core/slo.py); None: no target set
         self.targets: LatencyTargets | None = LatencyTargets(config.slo) if config.slo.is_set else None
         self.now = 0.0  # the clock of the step being scheduled (Scheduler.schedule)
+        self.horizon = 0.0  # the predicted seconds of the step being scheduled (0 where steps are not timed)
 
     def at_risk(self, embed: bool) -> bool:
         """Whether a kind's pending work has waited long enough to put its latency target at risk (slo.py)."""
-        return self.targets is not None and self.targets.at_risk(self.pending(embed), embed, self.now)
+        return self.targets is not None and self.targets.at_risk(self.pending(embed), embed, self.now, self.horizon)
 
     def pending(self, embed: bool) -> list[Request]:
         """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission

@@ -39,10 +39,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # decoder + encoder tokens in the step
     budget_used: int = 0  # against max_num_batched_tokens: encoder tokens count at their relative cost
     # latency targets (engine/core/slo.py): the kinds whose target was at risk when the step was shared, and
-    # whether the decodes' inter-token target cut the step below its token budget
+    # whether a target's time bound (itl_s, embed_p95_s) cut the step below its token budget
     embed_at_risk: bool = False
     generate_at_risk: bool = False
-    itl_capped: bool = False
+    time_capped: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -79,19 +79,24 @@ class Scheduler(SchedulerQueues):
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  stop_checker: Callable[[Request], str | None] | None = None,
-                 cost_model: StepCostModel | None = None) -> None:
+                 cost_model: StepCostModel | None = None, decode_margin: bool = True) -> None:
         super().__init__(config)
         self.block_manager = block_manager
         # after a sampled token is appended: a finish reason or None (engine/text_io.py); None: never stops
         self.stop_checker = stop_checker or (lambda req: None)
         self.policy: Policy = make_policy(config.policy, config.min_share)
         # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
-        # (config.cost_budget None: the engine passes a model only where it applies: on CUDA, or for slo.itl_s)
+        # (config.cost_budget None: the engine passes a model only where it applies: on CUDA, or for a latency
+        # target that bounds step time)
         self.cost_model = (cost_model if config.cost_budget is not False and self.policy.sizes_steps_by_cost
                            else None)
+        # the cost budget's own rule for steps with decodes (step_time_target, else the decodes' time x (1 +
+        # step_time_margin)); False where the model is on only for latency targets (slo.py), which then alone
+        # bound steps
+        self.decode_margin = decode_margin
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
-        # this step's time bound when an inter-token target (slo.itl_s) sized it: whole encoder inputs are held to
-        # it as well (the margin rule without a target stays a token budget, as before targets)
+        # this step's time bound when a latency target (slo.itl_s, slo.embed_p95_s) sized it: whole encoder inputs
+        # are held to it as well (the margin rule without a target stays a token budget, as before targets)
         self._time_target: float | None = None
         self._keys_per_token = 0.0  # the keys a prompt / embedding chunk token is expected to attend (_step_cap)
         # every unfinished request by id: the one registry of request state (waiting, running, handed off)
@@ -250,6 +255,7 @@ class Scheduler(SchedulerQueues):
                     self._schedule_running(req, 1, out)
         self._pending = {}  # decodes may have preempted: the lanes see the queues as they are now
         self._cap = self.policy.step_cap(self, self._step_cap(out), out.budget_used)
+        self.horizon = self._horizon(out)
         # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
         allowed = {True: allow_embed, False: allow_generate}
         for lane in self.policy.lanes(self, self._budget_left(out)):
@@ -283,38 +289,54 @@ class Scheduler(SchedulerQueues):
         return self._cap - out.budget_used
 
     def _step_cap(self, out: SchedulerOutput) -> int:
-        """This step's token budget once its decodes are in: what fits in the step-time target beside them (a
-        kind alone gets whole steps: without decodes the cap is max_num_batched_tokens)."""
+        """This step's token budget once its decodes are in: what fits in the step-time target beside them.
+        Without decodes a step is whole (max_num_batched_tokens) unless an embedding target bounds every step
+        (slo.py)."""
         cfg, cost = self.config, self.cost_model
         self._time_target = None
-        if cost is None or not out.scheduled:
+        bound = self.targets.step_time_bound(bool(out.scheduled)) if self.targets is not None else None
+        if cost is None:
             return cfg.max_num_batched_tokens
         shape = out.shape()
-        target = self._decode_time_target(shape)
+        target = bound
+        if out.scheduled and (self.decode_margin or cfg.step_time_target):
+            own = self._decode_time_target(shape)
+            target = own if target is None else min(own, target)
+        if target is None:
+            return cfg.max_num_batched_tokens
+        if bound is not None:
+            # NOTE: a latency target's bound holds whole encoder inputs to it too (_encoder_time_fit)
+            self._time_target = target
         chunks = [r.num_computed_tokens for r in self.running if not r.is_decoding]
         keys_per_token = (sum(chunks) / len(chunks) if chunks else 0.0) + cfg.max_chunk_tokens / 2
         self._keys_per_token = keys_per_token
         extra = max(cost.tokens_within(shape, target, keys_per_token), cfg.min_step_tokens)
         cap = min(cfg.max_num_batched_tokens, out.budget_used + extra)
-        out.itl_capped = self.targets is not None and self.targets.itl_s is not None and cap < cfg.max_num_batched_tokens
+        out.time_capped = bound is not None and cap < cfg.max_num_batched_tokens
         return cap
 
+    def _horizon(self, out: SchedulerOutput) -> float:
+        """The step's predicted seconds once filled to its cap (0 without a cost model): a request passed over now
+        waits at least this long more (slo.py's at-risk rule counts it)."""
+        if self.cost_model is None or self.targets is None:
+            return 0.0
+        shape = out.shape()
+        more = max(self._cap - out.budget_used, 0)
+        return self.cost_model.predict(replace(shape, num_tokens=shape.num_tokens + more))
+
     def _decode_time_target(self, shape: StepShape) -> float:
-        """How long a step carrying decodes may take: the inter-token target (slo.itl_s) and `step_time_target`,
-        the tighter of those set; with neither, the decodes' own predicted time x (1 + step_time_margin). Kept
-        for the step's encoder admissions (`_encoder_time_fit`) where an inter-token target set it."""
+        """How long the cost budget lets a step carrying decodes take: `step_time_target`, or the decodes' own
+        predicted time x (1 + step_time_margin). (Latency targets bound it further: slo.py.)"""
         cfg = self.config
-        itl = self.targets.itl_s if self.targets else None
-        set_targets = [t for t in (itl, cfg.step_time_target) if t]
-        target = min(set_targets) if set_targets else (1.0 + cfg.step_time_margin) * self.cost_model.predict(shape)
-        self._time_target = target if itl is not None else None
-        return target
+        if cfg.step_time_target:
+            return cfg.step_time_target
+        return (1.0 + cfg.step_time_margin) * self.cost_model.predict(shape)
 
     def _encoder_time_fit(self, req: Request, out: SchedulerOutput) -> bool | None:
-        """Whether a whole encoder request keeps a step with decodes within its time target (an encoder request
+        """Whether a whole encoder request keeps a step within a latency target's time bound (an encoder request
         never splits, so the token cap alone cannot bound it): True, False (not in this step), or None: it would
-        overrun the target even beside the decodes alone, so no step with decodes can ever fit it."""
-        if self._time_target is None or not out.scheduled:
+        overrun the bound even beside the decodes alone, so no step can ever fit it."""
+        if self._time_target is None:
             return True
         base = out.shape()
         with_req = replace(base, num_encoder_tokens=base.num_encoder_tokens + req.num_tokens)
@@ -367,7 +389,7 @@ class Scheduler(SchedulerQueues):
                 out.num_batched_tokens += req.num_tokens
                 out.budget_used += cost
                 used += cost
-                if self._time_target is not None and out.scheduled:
+                if self._time_target is not None:
                     # NOTE: the cap counted decoder tokens only: what time the encoder request took is not left
                     # for the chunks after it
                     left_tokens = self.cost_model.tokens_within(out.shape(), self._time_target, self._keys_per_token)

@@ -62,8 +62,8 @@ class ServerMetrics:
                               "output token after its first", buckets=ITL_BUCKETS, registry=r)
         self.at_risk = Counter("orthrus_slo_at_risk_steps", "Engine steps shared while a kind's latency target "
                                "(scheduler.slo) was at risk, by kind", ["kind"], registry=r)
-        self.itl_capped = Counter("orthrus_slo_itl_capped_steps", "Engine steps the inter-token target "
-                                  "(scheduler.slo.itl_s) cut below their token budget", registry=r)
+        self.time_capped = Counter("orthrus_slo_time_capped_steps", "Engine steps a latency target's time bound "
+                                   "(scheduler.slo.itl_s, embed_p95_s) cut below their token budget", registry=r)
         self._pending = pending
         self._num_steps = self._num_mixed = 0
         self._blocks = block_manager
@@ -101,8 +101,8 @@ class ServerMetrics:
             self.at_risk.labels("embed").inc()
         if stats.generate_at_risk:
             self.at_risk.labels("generate").inc()
-        if stats.itl_capped:
-            self.itl_capped.inc()
+        if stats.time_capped:
+            self.time_capped.inc()
         if stats.num_prefix_hit_tokens > 0:  # NOTE: a preempted request's hits return (a negative step count)
             self.prefix_hits.inc(stats.num_prefix_hit_tokens)
 

@@ -46,12 +46,13 @@ class _ChatGenerator:
         choice = body["choices"][0]
         content = (choice.get("logprobs") or {}).get("content")
         pieces = [(c["token"], math.exp(c["logprob"])) for c in content] if content is not None else None
-        return _Text(choice["message"]["content"] or "", pieces)
+        return _Text(choice["message"]["content"] or "", pieces, (body.get("usage") or {}).get("completion_tokens", 0))
 
 
 class _Text:
-    def __init__(self, text: str, pieces: list[tuple[str, float]] | None = None) -> None:
+    def __init__(self, text: str, pieces: list[tuple[str, float]] | None = None, num_tokens: int = 0) -> None:
         self.text = text
+        self.num_tokens = num_tokens  # the response's completion tokens (a question's generated tokens count them)
         if pieces is not None:  # NOTE: absent, not None, when not asked for: FLARE then says it needs logprobs
             self.pieces = pieces
 

@@ -54,11 +54,11 @@ def _override_value(value: object) -> str:
     return "null" if value is None else str(value)
 
 
-def system_command(cfg: DictConfig, system: str, run_dir: Path) -> list[str] | None:
-    """The command that runs Iter-RetGen on `system`: `orthrus-rag run scheduler=<policy>` or
-    `deploy=<deployment>`, or
-    peer_app.py under the peer's interpreter (None when that is not installed)."""
-    shared = app_overrides(cfg, run_dir)
+def system_command(cfg: DictConfig, system: str, run_dir: Path, method: str | None = None) -> list[str] | None:
+    """The command that runs the app's method (`method`: `pipeline=<method>`; None: the app experiment's,
+    Iter-RetGen) on `system`: `orthrus-rag run scheduler=<policy>` or `deploy=<deployment>`, or peer_app.py under
+    the peer's interpreter (None when that is not installed)."""
+    shared = app_overrides(cfg, run_dir) + ([f"pipeline={method}"] if method is not None else [])
     if system in PEERS:
         python = peer_python(cfg, system)
         if python is None:
@@ -77,9 +77,9 @@ def system_command(cfg: DictConfig, system: str, run_dir: Path) -> list[str] | N
     return [*cli(), "run", *shared, *engine]
 
 
-def run_one(cfg: DictConfig, system: str, out: Path) -> dict | None:
+def run_one(cfg: DictConfig, system: str, out: Path, method: str | None = None) -> dict | None:
     run_dir = out / system
-    cmd = system_command(cfg, system, run_dir)
+    cmd = system_command(cfg, system, run_dir, method)
     if cmd is None:
         logger.warning("%s skipped: %s not found (install it with `make peers`)", system, cfg.peers_python)
         return None
@@ -97,12 +97,43 @@ def run_one(cfg: DictConfig, system: str, out: Path) -> dict | None:
 def main(cfg: DictConfig, out: Path) -> None:
     x = cfg.experiment
     peers = cfg.peers if x.get("peers") is None else x.peers
-    results = {}
-    for system in [*x.policies, *peers]:
-        got = run_one(cfg, system, out)
-        if got is not None:
-            results[system] = got
-    report(cfg, results, out)
+    methods = list(x.get("methods") or [None])
+    by_method: dict[str, dict[str, dict]] = {}
+    for method in methods:
+        # NOTE: one method keeps the layout (and table) of a plain Iter-RetGen run: out/<system>/
+        where = out if method is None else out / method
+        results = {}
+        for system in [*x.policies, *peers]:
+            got = run_one(cfg, system, where, method)
+            if got is not None:
+                results[system] = got
+        report(cfg, results, where)
+        if method is not None:
+            by_method[method] = {s: r["summary"] for s, r in results.items()}
+    if by_method:
+        report_methods(cfg, by_method, out)
+
+
+def report_methods(cfg: DictConfig, by_method: dict[str, dict[str, dict]], out: Path) -> None:
+    """One table over methods x systems (issue 38): answer quality, how much each method retrieves and generates
+    per question, and each system's q/s and p99 beside the first peer's."""
+    write_json(out / "results.json", {"methods": by_method})
+    head = ["method", "system", "EM", "F1", "acc", "recall@5", "retrievals / q", "generated tokens / q", "q/s",
+            "p99 s", "q/s × peer", "p99 × peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, systems in by_method.items():
+        peer = next((systems[p] for p in systems if p in PEERS), None)
+        for system, s in systems.items():
+            qps, p99 = s["throughput_qps"], s["latency_s"]["p99"]
+            lines.append("| " + " | ".join([
+                method, system, _fmt(s["em"], 3), _fmt(s["f1"], 3), _fmt(s["acc"], 3), _fmt(s.get("recall@5"), 3),
+                _fmt(s.get("retrievals_per_question"), 2), _fmt(s.get("generated_tokens_per_question"), 1),
+                _fmt(qps, 3), _fmt(p99, 1),
+                _fmt(qps / peer["throughput_qps"]) + "×" if peer else "–",
+                _fmt(p99 / peer["latency_s"]["p99"]) + "×" if peer else "–"]) + " |")
+    table = "\n".join(lines) + "\n"
+    (out / "table.md").write_text(table)
+    logger.info("\n%s", table)
 
 
 def report(cfg: DictConfig, results: dict[str, dict], out: Path) -> None:
