@@ -316,12 +316,14 @@ class Scheduler(SchedulerQueues):
         return cap
 
     def _horizon(self, out: SchedulerOutput) -> float:
-        """The step's predicted seconds once filled to its cap (0 without a cost model): a request passed over now
-        waits at least this long more (slo.py's at-risk rule counts it)."""
+        """The step's predicted seconds once filled to its cap, or with all pending work where that is less (0
+        without a cost model): a request passed over now waits at least this long more (slo.py's at-risk rule
+        counts it)."""
         if self.cost_model is None or self.targets is None:
             return 0.0
         shape = out.shape()
-        more = max(self._cap - out.budget_used, 0)
+        pending = self.remaining_cost(self.pending(embed=True)) + self.remaining_cost(self.pending(embed=False))
+        more = max(min(self._cap - out.budget_used, pending), 0)
         return self.cost_model.predict(replace(shape, num_tokens=shape.num_tokens + more))
 
     def _decode_time_target(self, shape: StepShape) -> float:
