@@ -1,5 +1,5 @@
 """Per-kind latency targets (`scheduler.slo`, config/engine.py SloConfig): the one owner of what "at risk" means
-and of the step-time bound that keeps a decode's inter-token time under its target.
+and of the step-time bounds that keep a decode's inter-token time and an embedding's latency under their targets.
 
 Three mechanisms, each off until its target is set:
 - `itl_s`: a step that carries decodes is sized by the step-cost model (engine/core/step_cost.py) so its predicted
@@ -9,11 +9,12 @@ Three mechanisms, each off until its target is set:
   step of the whole token budget (~0.2 s on 2 cores) alone outlasts a tight embedding target, however the
   residual budget is shared (measured, issue 37: at 3:7 the separate embedding server answers in 0.15 s p95,
   one 256-token step takes 0.2 s). A loose target (above two full steps) never binds.
-- `generate_p95_s` / `embed_p95_s`: pending work of a kind (a prompt or an embedding not yet done) that has waited
-  `risk_fraction` of its kind's end-to-end target is at risk; the policy (engine/core/policies.py) then fills
-  that kind first, with all of the residual budget but the other kind's `min_share`.
+- `generate_p95_s` / `embed_p95_s`: pending work of a kind (a prompt or an embedding not yet done) that will have
+  waited `risk_fraction` of its kind's end-to-end target by the end of the step being scheduled is at risk; the
+  policy (engine/core/policies.py) then fills that kind first, with all of the residual budget but the other
+  kind's `min_share`.
 
-Neither takes work away when nothing is at risk: the step stays as large as its budget and the remaining-token split
+None takes work away when nothing is at risk: the step stays as large as its budget and the remaining-token split
 decides (work-conserving). Deadlines count from a request's arrival, so a request that waited in the queue is at
 risk sooner than one that just came.
 """
