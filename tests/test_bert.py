@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from orthrus_rag.models.bert import BertEncoder, read_sentence_transformers_pooling
+from orthrus_rag.models.bert import BertEncoder, passes, read_sentence_transformers_pooling
 
 pytestmark = pytest.mark.slow  # loads a model (make test-fast skips it)
 
@@ -112,3 +112,42 @@ def test_missing_weight_raises(tmp_path):
 def test_bad_seq_lens_raise(encoder):
     with pytest.raises(ValueError, match="seq_lens"):
         encoder(torch.zeros(4, dtype=torch.long), torch.arange(4), [2, 3])
+
+
+def test_passes_group_whole_sequences_in_order():
+    assert passes([3, 3, 5, 10, 1], 6) == [(0, 2, 0, 6), (2, 3, 6, 11), (3, 4, 11, 21), (4, 5, 21, 22)]
+    assert passes([2, 2], 100) == [(0, 2, 0, 4)]
+    assert passes([], 8) == []
+
+
+def test_a_step_in_several_passes_equals_one_pass(encoder, token_ids):
+    """A step longer than `max_pass_tokens` runs through the layers in passes of whole sequences: the same rows."""
+    whole = packed_forward(encoder, token_ids)
+    encoder.max_pass_tokens = 40  # the 5 test sequences: 3 or more passes, one sequence longer than a pass
+    try:
+        cut = packed_forward(encoder, token_ids)
+    finally:
+        encoder.max_pass_tokens = 4096
+    for a, b in zip(whole, cut):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.isa
+def test_bf16_as_this_cpu_runs_it_is_close_to_fp32(encoder, token_ids):
+    """bf16 MiniLM as the engine loads it here (linears packed where oneDNN's bf16 runs, GELU in the GEMM's
+    epilogue; attention on the C++ kernel with AVX512-BF16, else SDPA: the AVX2 pass of `make test` takes that
+    branch) pools to within cosine 0.999 of fp32, and the kernel, where it runs, agrees with SDPA."""
+    from orthrus_rag.layers.attention.cpu_encoder import encoder_kernel_available
+    from orthrus_rag.layers.linear import onednn_available, pack_linears
+
+    fast = BertEncoder.from_pretrained(MODEL_PATH, torch.bfloat16)
+    if onednn_available(torch.bfloat16, "cpu"):
+        pack_linears(fast)
+    want = torch.stack([h.mean(0) for h in packed_forward(encoder, token_ids)])
+    got = torch.stack([h.float().mean(0) for h in packed_forward(fast, token_ids)])
+    assert (torch.nn.functional.cosine_similarity(want, got, dim=-1) >= 0.999).all()
+    if encoder_kernel_available(torch.zeros(1, 12, 32, dtype=torch.bfloat16)):
+        fast.cpu_attention_kernel = False
+        sdpa = torch.stack([h.float().mean(0) for h in packed_forward(fast, token_ids)])
+        assert (torch.nn.functional.cosine_similarity(sdpa, got, dim=-1) >= 0.9995).all()
+        assert not torch.equal(sdpa, got)  # the switch changed the path

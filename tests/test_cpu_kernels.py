@@ -97,6 +97,52 @@ def test_the_kernel_is_bf16_only_and_says_so():
         grouped.forward(q, k, v, k_cache, v_cache, meta, 0.3, None)
 
 
+def _packed_sdpa(q, k, v, lens):
+    """One SDPA call per sequence of a packed [T, H, D] batch, every key of a sequence visible."""
+    outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in x))[0].transpose(0, 1)
+            for x in zip(q.split(lens), k.split(lens), v.split(lens))]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("heads,dim", [(12, 32), (4, 64)])
+@pytest.mark.parametrize("lens", [[1], [7, 1, 40, 33], [256, 3, 129, 64, 1, 95]])
+def test_encoder_kernel_is_within_sdpas_own_bf16_error(lens, heads, dim):
+    """Bidirectional attention within each packed sequence (an encoder's: models/bert.py), every length from one
+    token to past several key blocks."""
+    _needs_bf16_kernel()
+    from orthrus_rag.layers.attention.cpu_encoder import encoder_attention
+
+    torch.manual_seed(len(lens) * dim)
+    q, k, v = (torch.randn(sum(lens), heads, dim).bfloat16() for _ in range(3))
+    exact = _packed_sdpa(q.float(), k.float(), v.float(), lens)
+    sdpa = _packed_sdpa(q, k, v, lens)
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    got = encoder_attention(q, k, v, starts, torch.tensor(lens), dim ** -0.5)
+    assert got.dtype is torch.bfloat16 and got.shape == q.shape
+    sdpa_err = (sdpa.float() - exact).abs().max().item()
+    err = (got.float() - exact).abs().max().item()
+    assert err <= 2 * sdpa_err + 1e-3, (err, sdpa_err)
+    # every row saw its whole sequence and nothing of the others: a sequence alone gives its same rows
+    last = lens[-1]
+    alone = encoder_attention(q[-last:], k[-last:], v[-last:], torch.tensor([0]), torch.tensor([last]), dim ** -0.5)
+    assert torch.equal(alone, got[-last:])
+
+
+def test_encoder_kernel_reads_strided_queries_and_refuses_fp32():
+    _needs_bf16_kernel()
+    from orthrus_rag.layers.attention.cpu_encoder import encoder_attention, encoder_kernel_available
+
+    qkv = torch.randn(10, 3 * 4 * 32).bfloat16()
+    q, k, v = (qkv[:, i * 128:(i + 1) * 128].view(10, 4, 32) for i in range(3))
+    assert not q.is_contiguous()
+    bounds = torch.tensor([0, 4]), torch.tensor([4, 6])
+    assert torch.equal(encoder_attention(q, k, v, *bounds, 0.2), encoder_attention(q.contiguous(), k, v, *bounds, 0.2))
+    assert not encoder_kernel_available(q.float())
+    assert not encoder_kernel_available(torch.randn(3, 2, 48).bfloat16())  # head sizes: multiples of 32
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        encoder_attention(q.float(), k.float(), v.float(), *bounds, 0.2)
+
+
 # ---- fused elementwise kernels -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_fused_bf16_kernels_round_as_the_eager_ops_do(rows):

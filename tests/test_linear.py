@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from orthrus_rag.layers import linear as linear_module
-from orthrus_rag.layers.linear import PackedLinear, choose_kernel, linear, onednn_available, pack_linears
+from orthrus_rag.layers.linear import PackedLinear, choose_kernel, linear, linear_gelu, onednn_available, pack_linears
 from orthrus_rag.layers.lora import LoRALinear
 from orthrus_rag.params import PoolingParams, SamplingParams
 from tests.conftest import SMOL, engine_overrides
@@ -58,6 +58,29 @@ def test_non_contiguous_and_non_fp32_inputs_fall_back_correctly():
     # bf16 input: the dense path, not the fp32 copy
     out = linear(nn.Linear(16, 8).bfloat16(), x.bfloat16())
     assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_gelu_is_the_exact_gelu_of_the_map_packed_or_not(dtype):
+    """The GELU in the packed GEMM's epilogue (an encoder's FFN) is the erf GELU of the dense map; an unpacked layer
+    or too few rows take torch's ops."""
+    if not onednn_available(dtype, "cpu"):
+        pytest.skip(f"oneDNN's packed {dtype} path does not run on this CPU")
+    torch.manual_seed(2)
+    lin = nn.Linear(32, 48).to(dtype)
+    x = torch.randn(20, 32).to(dtype)
+    with torch.inference_mode():
+        want = torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float()))
+        torch.testing.assert_close(linear_gelu(lin, x).float(), want, atol=2e-2, rtol=2e-2)  # unpacked
+        pack_linears(nn.Sequential(lin), from_rows=8)
+        tol = 1e-5 if dtype == torch.float32 else 4e-2  # NOTE: bf16: the product is rounded before the GELU or not
+        torch.testing.assert_close(linear_gelu(lin, x).float(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(linear_gelu(lin, x[:3]).float(), want[:3], atol=tol, rtol=tol)  # below from_rows
+        # not the tanh approximation: it differs from the erf GELU by ~1e-3 around |x| ~ 2
+        approx = torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), lin.weight.float(),
+                                                                     lin.bias.float()), approximate="tanh")
+        if dtype == torch.float32:
+            assert not torch.allclose(linear_gelu(lin, x), approx, atol=1e-5, rtol=0)
 
 
 def test_lora_wrapping_keeps_the_packed_copy():

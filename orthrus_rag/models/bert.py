@@ -17,6 +17,8 @@ from torch import nn
 from transformers import AutoConfig, BertConfig
 from transformers.activations import ACT2FN
 
+from orthrus_rag.layers.attention.cpu_encoder import encoder_attention, encoder_kernel_available
+from orthrus_rag.layers.linear import linear_gelu
 from orthrus_rag.params import POOLING_TYPES
 
 # Checkpoint entries we do not model: the NSP pooler, MLM/NSP heads, the position_ids buffer.
@@ -52,8 +54,7 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = (p(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
-                   for p in (self.query, self.key, self.value))
+        q, k, v = (p(x).view(t, self.num_heads, self.head_dim) for p in (self.query, self.key, self.value))
         return packing.attend(q, k, v).reshape(t, -1)
 
 
@@ -85,8 +86,12 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         # NOTE: ACT2FN["gelu"] is the exact erf GELU that BERT was trained with.
         self.act = ACT2FN[config.hidden_act]
+        # the exact GELU, fused into the projection's oneDNN kernel where the projection has its packed copy
+        self.exact_gelu = config.hidden_act == "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact_gelu:
+            return linear_gelu(self.dense, x)
         return self.act(self.dense(x))
 
 
@@ -117,6 +122,12 @@ class BertEncoder(nn.Module):
             raise ValueError(f"hidden_size {config.hidden_size} is not divisible by "
                              f"num_attention_heads {config.num_attention_heads}")
         self.config = config
+        # attention on the CPU kernel where it runs (attention/cpu_encoder.py); False: SDPA always
+        self.cpu_attention_kernel = True
+        # a step's sequences run through all the layers in passes of at most this many tokens: a 16k-token step's
+        # activations ([16k, 1536] in the FFN: 50 MB in bf16) are fresh pages at every op (glibc maps allocations
+        # over 32 MB anew), and smaller passes keep them in cache; 5-10% of MiniLM's forward on 2 EPYC cores
+        self.max_pass_tokens = 4096
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoderStack(config)
 
@@ -161,26 +172,59 @@ class BertEncoder(nn.Module):
         if num_tokens and int(positions.max()) >= self.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} exceeds the model's "
                              f"max_position_embeddings {self.max_position_embeddings}")
-        packing = Packing(seq_lens)
+        if num_tokens > self.max_pass_tokens:
+            return torch.cat([self._forward(input_ids[a:b], positions[a:b], seq_lens[i:j])
+                              for i, j, a, b in passes(seq_lens, self.max_pass_tokens)])
+        return self._forward(input_ids, positions, seq_lens)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        packing = Packing(seq_lens, self.cpu_attention_kernel)
         x = self.embeddings(input_ids, positions)
         for layer in self.encoder.layer:
             x = layer(x, packing)
         return x
 
 
-class Packing:
-    """The packed sequences' boundaries, for attention that stays inside each sequence: one SDPA call per
-    sequence on views of the packed [H, T, D] tensors, so attention costs the sum of L^2, with no mask and no
-    padding (a [T, T] block-diagonal mask over a 4k-token step was ~40x the work; padding to the longest wastes
-    what the lengths differ by)."""
+def passes(seq_lens: list[int], max_tokens: int) -> list[tuple[int, int, int, int]]:
+    """Whole sequences in order, grouped into passes of at most `max_tokens` tokens (a longer sequence alone):
+    (first sequence, end sequence, first token, end token) of each."""
+    out: list[tuple[int, int, int, int]] = []
+    i = a = 0
+    while i < len(seq_lens):
+        j, b = i + 1, a + seq_lens[i]
+        while j < len(seq_lens) and b + seq_lens[j] <= a + max_tokens:
+            b += seq_lens[j]
+            j += 1
+        out.append((i, j, a, b))
+        i, a = j, b
+    return out
 
-    def __init__(self, seq_lens: list[int]) -> None:
+
+class Packing:
+    """The packed sequences' boundaries, for attention that stays inside each sequence, with no mask and no padding
+    (a [T, T] block-diagonal mask over a 4k-token step was ~40x the work; padding to the longest wastes what the
+    lengths differ by). Where the CPU kernel runs (attention/cpu_encoder.py: bf16 on AVX512-BF16) one call per
+    layer covers every sequence; elsewhere one SDPA call per sequence on views of the packed tensors, so attention
+    costs the sum of L^2."""
+
+    def __init__(self, seq_lens: list[int], kernel: bool = True) -> None:
         self.seq_lens = list(seq_lens)
+        self.kernel = kernel
+        self._bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's first row and length (int64, CPU), made once and shared by every layer."""
+        if self._bounds is None:
+            lens = torch.tensor(self.seq_lens, dtype=torch.int64)
+            self._bounds = (torch.cumsum(lens, 0) - lens, lens)
+        return self._bounds
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """[H, T, D] each -> [T, H, D]."""
+        """[T, H, D] each -> [T, H, D]."""
+        if self.kernel and encoder_kernel_available(q):
+            return encoder_attention(q, k, v, *self.bounds(), q.shape[-1] ** -0.5)
         # NOTE: 4-D [1, H, L, D]: torch's CPU flash kernel takes only those (3-D falls back to the math path)
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if len(self.seq_lens) == 1:
             return F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
         outs = [F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in

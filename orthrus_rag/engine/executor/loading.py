@@ -66,6 +66,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         enc_path = resolve_model_path(mc.embedding_model)
         logger.info("loading embedding model from %s", enc_path)
         encoder = BertEncoder.from_pretrained(enc_path, mc.torch_dtype, mc.device).eval()
+        encoder.cpu_attention_kernel = mc.cpu_prefill_kernel
         encoder_tokenizer = AutoTokenizer.from_pretrained(str(enc_path))
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions

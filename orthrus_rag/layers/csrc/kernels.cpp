@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", torch::wrap_pybind_function(decode_attention), "decode_attention");
   m.def("write_kv", torch::wrap_pybind_function(write_kv), "write_kv");
   m.def("prefill_attention", torch::wrap_pybind_function(prefill_attention), "prefill_attention");
+  m.def("encoder_attention", torch::wrap_pybind_function(encoder_attention), "encoder_attention");
   m.def("prefill_attention_supported", torch::wrap_pybind_function(prefill_attention_supported),
         "prefill_attention_supported");
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");

@@ -73,27 +73,21 @@ inline void pv_block(const uint32_t* const* prow, const uint32_t* vp, int64_t D,
 }  // namespace
 #endif
 
-// q [T, H, D] (rows strided), caches [slots, KVH, D], out [T, H, D] contiguous: bf16. Per sequence s: rows
-// q_start[s] .. + q_len[s] at positions ctx[s] .., keys key_slots[s, 0 .. ctx + q_len). Writes those rows of out.
-void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
-                       torch::Tensor q_len, torch::Tensor ctx_len, torch::Tensor key_slots, double scale,
-                       int64_t window, torch::Tensor out) {
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-              v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "prefill_attention: bfloat16 tensors");
-  // q's rows may be strided (a view of the fused Q/K/V output); each row's heads are one contiguous run
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              out.is_contiguous() &&
-              key_slots.is_contiguous(), "prefill_attention: contiguous tensors");
+namespace {
+// The one body of both kernels. q [T, H, D] (rows strided), keys/values [slots, KVH, D], out [T, H, D]
+// contiguous: bf16. Per sequence s: rows q_start[s] .. + q_len[s] at positions ctx[s] .., keys at slots
+// key_slots[s, 0 .. ctx + q_len) (slots null: the sequence's own rows, q_start[s] + j). Causal: a row sees the
+// keys up to its position (and `window` back); bidirectional: every key of its sequence.
+void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
+                 torch::Tensor q_len, torch::Tensor ctx_len, const int64_t* slots, int64_t W, double scale,
+                 int64_t window, bool causal, torch::Tensor out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH, S = q_start.size(0);
   const int64_t q_row = q.stride(0);
-  const int64_t W = key_slots.size(1);
   TORCH_CHECK(D % 32 == 0 && H % KVH == 0 && k_cache.size(2) == D, "prefill_attention: head shapes");
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_len.data_ptr<int64_t>();
   const int64_t* cl = ctx_len.data_ptr<int64_t>();
-  const int64_t* slots = key_slots.data_ptr<int64_t>();
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
@@ -103,7 +97,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   int64_t Lmax = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t L = cl[s] + ql[s];
-    TORCH_CHECK(L <= W, "prefill_attention: key_slots narrower than a sequence");
+    TORCH_CHECK(slots == nullptr || L <= W, "prefill_attention: key_slots narrower than a sequence");
     padded[s] = (L + KB - 1) / KB * KB;
     Lmax = std::max(Lmax, padded[s]);
     pack_at[s + 1] = pack_at[s] + KVH * padded[s] * D;  // in bf16 elements (halved for the uint32 pairs)
@@ -115,7 +109,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
       uint32_t* kd = kpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
       uint32_t* vd = vpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
       for (int64_t j = 0; j < L; ++j) {
-        const int64_t slot = slots[s * W + j];
+        const int64_t slot = slots != nullptr ? slots[s * W + j] : qs[s] + j;
         const uint32_t* krow = reinterpret_cast<const uint32_t*>(kp + (slot * KVH + h) * D);
         for (int64_t p = 0; p < D / 2; ++p) kd[p * Lp + j] = krow[p];
         const uint16_t* vrow = vp + (slot * KVH + h) * D;
@@ -144,7 +138,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
       const uint32_t* qrow[RB];
       for (int64_t r = 0; r < RB; ++r) {
         const int64_t rr = std::min(r0 + r, rows - 1), t = rr / G, g = rr % G;
-        lim[r] = c + t;  // last key this row sees
+        lim[r] = causal ? c + t : c + n - 1;  // last key this row sees
         lo[r] = window > 0 ? std::max<int64_t>(0, lim[r] - window + 1) : 0;
         qrow[r] = reinterpret_cast<const uint32_t*>(qp + (qs[s] + t) * q_row + (h * G + g) * D);
       }
@@ -209,7 +203,44 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
       }
     }
   });
+}
+}  // namespace
+#endif
+
+// Chunked prefill over the paged cache: q [T, H, D] (rows strided), caches [slots, KVH, D], out [T, H, D]
+// contiguous, bf16; causal within each sequence, keys key_slots[s, 0 .. ctx_len[s] + q_len[s]).
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
+                       torch::Tensor q_len, torch::Tensor ctx_len, torch::Tensor key_slots, double scale,
+                       int64_t window, torch::Tensor out) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+              v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "prefill_attention: bfloat16 tensors");
+  // q's rows may be strided (a view of the fused Q/K/V output); each row's heads are one contiguous run
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              out.is_contiguous() && key_slots.is_contiguous(), "prefill_attention: contiguous tensors");
+  attend_rows(q, k_cache, v_cache, q_start, q_len, ctx_len, key_slots.data_ptr<int64_t>(), key_slots.size(1), scale,
+              window, true, out);
 #else
   TORCH_CHECK(false, "prefill_attention: built without AVX512-BF16");
+#endif
+}
+
+// An encoder's attention over a packed batch (attention/cpu_encoder.py): q, k, v [T, H, D] bf16 (q's rows may be
+// strided, k and v contiguous), sequences back to back from row q_start[s] for q_len[s] rows; every row attends
+// to all the rows of its own sequence. Writes out [T, H, D].
+void encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, torch::Tensor q_len,
+                       double scale, torch::Tensor out) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+              v.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "encoder_attention: bfloat16 tensors");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() && v.is_contiguous() &&
+              out.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous(),
+              "encoder_attention: contiguous tensors");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.sizes() == k.sizes(), "encoder_attention: q, k and v rows differ");
+  attend_rows(q, k, v, q_start, q_len, torch::zeros_like(q_len), nullptr, 0, scale, -1, false, out);
+#else
+  TORCH_CHECK(false, "encoder_attention: built without AVX512-BF16");
 #endif
 }
