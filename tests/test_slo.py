@@ -18,7 +18,7 @@ BASE, PER_TOKEN, PER_ENCODER_TOKEN = 0.02, 0.001, 0.00025
 
 def _clock() -> StepCostModel:
     model = StepCostModel()
-    model.theta = np.array([BASE, PER_TOKEN, 0.0, PER_ENCODER_TOKEN, 0.0, 0.0])
+    model.theta = np.array([BASE, PER_TOKEN, 0.0, PER_ENCODER_TOKEN, 0.0, 0.0, 0.0])
     return model
 
 

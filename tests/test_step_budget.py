@@ -20,7 +20,7 @@ CAP = 128
 
 def _fake_cost(base: float = 0.02, per_token: float = 0.001) -> StepCostModel:
     model = StepCostModel()
-    model.theta = np.array([base, per_token, 0.0, 0.0, 0.0, 0.0])
+    model.theta = np.array([base, per_token, 0.0, 0.0, 0.0, 0.0, 0.0])
     return model
 
 
@@ -98,11 +98,12 @@ def test_online_fit_recovers_a_linear_cost():
     for _ in range(600):
         tokens = int(rng.integers(1, 512))
         shape = StepShape(tokens, int(rng.integers(0, 200_000)), int(rng.integers(0, 64)),
-                          int(rng.integers(0, tokens + 1)), int(rng.integers(0, 9)))
+                          int(rng.integers(0, tokens + 1)), int(rng.integers(0, 9)), int(rng.integers(0, tokens + 1)))
         truth = (0.030 + 0.0008 * shape.num_tokens + 2e-5 * shape.attention_pairs / 1000
-                 + 3e-4 * shape.num_encoder_tokens + 1e-4 * shape.num_adapter_rows + 2e-3 * shape.num_adapters)
+                 + 3e-4 * shape.num_encoder_tokens + 1e-4 * shape.num_adapter_rows + 2e-3 * shape.num_adapters
+                 + 5e-4 * shape.num_sampled_rows)
         model.observe(shape, truth * float(rng.uniform(0.98, 1.02)))
-    np.testing.assert_allclose(model.theta, [0.030, 0.0008, 2e-5, 3e-4, 1e-4, 2e-3], rtol=0.1, atol=2e-6)
+    np.testing.assert_allclose(model.theta, [0.030, 0.0008, 2e-5, 3e-4, 1e-4, 2e-3, 5e-4], rtol=0.1, atol=2e-6)
     assert model.tokens_within(StepShape(10, 0), 0.030 + 0.0008 * 60, 0.0) in range(48, 52)
 
 
@@ -127,3 +128,27 @@ def test_calibration_is_bounded_in_time():
     calibrate(SlowRunner(), StepCostModel(), max_tokens=256, max_seconds=0.2)
     assert time.perf_counter() - start < 0.2 + 2 * 0.15 + 0.1
     assert SlowRunner.calls <= 3
+
+
+def test_a_steps_shape_counts_the_rows_that_sample():
+    """Every decode and a prompt's last chunk produce a token (the LM head and the sampler run for them); a prompt's
+    earlier chunk and an embedding chunk do not."""
+    from orthrus_rag.engine.core.request import Request, RequestKind
+    from orthrus_rag.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+    from orthrus_rag.params import PoolingParams, SamplingParams
+
+    def req(kind: RequestKind, n: int, computed: int) -> Request:
+        r = Request(f"{kind.value}-{n}-{computed}", kind, [1] * n,
+                    sampling_params=SamplingParams() if kind is RequestKind.GENERATE else None,
+                    pooling_params=PoolingParams() if kind is RequestKind.EMBED else None)
+        r.num_computed_tokens = computed
+        return r
+
+    gen, emb = RequestKind.GENERATE, RequestKind.EMBED
+    out = SchedulerOutput(scheduled=[ScheduledRequest(req(gen, 41, 40), 1), ScheduledRequest(req(gen, 90, 40), 50),
+                                     ScheduledRequest(req(gen, 90, 0), 40), ScheduledRequest(req(emb, 30, 0), 30)])
+    shape = out.shape()
+    assert (shape.num_tokens, shape.num_sampled_rows) == (121, 2)
+    model = StepCostModel()
+    model.theta = np.array([0.01, 0.001, 0.0, 0.0, 0.0, 0.0, 0.002])
+    assert abs(model.predict(shape) - (0.01 + 0.121 + 0.004)) < 1e-9

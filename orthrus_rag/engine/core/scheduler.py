@@ -50,7 +50,7 @@ class SchedulerOutput:
 
     def shape(self) -> StepShape:
         """The step's work, for the cost model (call before the step's tokens count as computed)."""
-        tokens = pairs = adapter_rows = 0
+        tokens = pairs = adapter_rows = sampled = 0
         adapters = set()
         for s in self.scheduled:
             tokens += s.num_new_tokens
@@ -58,7 +58,10 @@ class SchedulerOutput:
             if s.req.adapter_slot:
                 adapter_rows += s.num_new_tokens
                 adapters.add(s.req.adapter_slot)
-        return StepShape(tokens, pairs, sum(r.num_tokens for r in self.encoder), adapter_rows, len(adapters))
+            # NOTE: the runner's rule for a generation row (runner._run_decoder)
+            sampled += not s.req.is_embed and s.req.num_computed_tokens + s.num_new_tokens == s.req.num_tokens
+        return StepShape(tokens, pairs, sum(r.num_tokens for r in self.encoder), adapter_rows, len(adapters),
+                         sampled)
 
 
 @dataclass
@@ -349,7 +352,8 @@ class Scheduler(SchedulerQueues):
         if self.cost_model.predict(with_req) <= self._time_target:
             return True
         decodes = [s for s in out.scheduled if s.req.is_decoding]
-        alone = StepShape(len(decodes), sum(s.req.num_computed_tokens + 1 for s in decodes), req.num_tokens)
+        alone = StepShape(len(decodes), sum(s.req.num_computed_tokens + 1 for s in decodes), req.num_tokens,
+                          num_sampled_rows=len(decodes))
         return None if self.cost_model.predict(alone) > self._time_target else False
 
     def _fill(self, candidates: list[Request], cap: int | None, out: SchedulerOutput) -> None:

@@ -5,9 +5,10 @@ step pays a fixed part (reading every weight once, per-layer launches; on an H20
 is all fixed part) and a part per token (GEMM work) and per attended key. The scheduler asks this model how many
 prompt and embedding tokens fit beside a step's decodes before the step outgrows its time target.
 
-The model is linear in six features (1, decoder tokens, attention pairs Σ new x keys in thousands, encoder
+The model is linear in seven features (1, decoder tokens, attention pairs Σ new x keys in thousands, encoder
 tokens, rows under a LoRA adapter, distinct adapters in the step: each adapter adds small products to every
-targeted layer), fitted by recursive least squares with forgetting, so it follows the machine it runs on: first from a
+targeted layer, and sampled rows: each pays the LM head's product over the vocabulary and the sampler's draw,
+SmolLM2's 576 x 49,152 head alone ~20% of a token's layer products), fitted by recursive least squares with forgetting, so it follows the machine it runs on: first from a
 few timed steps at start-up (engine/executor/calibration.py), then from every measured step.
 """
 
@@ -28,10 +29,13 @@ class StepShape:
     num_encoder_tokens: int = 0
     num_adapter_rows: int = 0
     num_adapters: int = 0
+    # rows that produce a token this step (every decode, a prompt's last chunk); session 19 measured steps of ~26
+    # decodes overrunning a fit without this term by 15-50%
+    num_sampled_rows: int = 0
 
     def features(self) -> np.ndarray:
         return np.array([1.0, self.num_tokens, self.attention_pairs / 1000.0, self.num_encoder_tokens,
-                         self.num_adapter_rows, self.num_adapters])
+                         self.num_adapter_rows, self.num_adapters, self.num_sampled_rows])
 
 
 class StepCostModel:
@@ -39,8 +43,8 @@ class StepCostModel:
 
     def __init__(self, forget: float = 0.995) -> None:
         # NOTE: a weak prior (20 ms + 1 ms per token, a 2-core CPU's order of magnitude) until steps are measured
-        self.theta = np.array([0.02, 1e-3, 1e-4, 2.5e-4, 1e-5, 1e-3])
-        self.cov = np.diag([1.0, 1e-4, 1e-4, 1e-4, 1e-6, 1e-3])
+        self.theta = np.array([0.02, 1e-3, 1e-4, 2.5e-4, 1e-5, 1e-3, 2e-4])
+        self.cov = np.diag([1.0, 1e-4, 1e-4, 1e-4, 1e-6, 1e-3, 1e-4])
         self.forget = forget
         self.num_observed = 0
 
@@ -66,7 +70,7 @@ class StepCostModel:
 
     def tokens_within(self, shape: StepShape, target: float, pairs_per_token: float) -> int:
         """How many more decoder tokens (each attending `pairs_per_token` keys) fit in `target` seconds beside
-        `shape`'s work."""
+        `shape`'s work (prompt tokens: a chunk's one sampled row, if it is the prompt's last, is left out)."""
         left = target - self.predict(shape)
         per_token = self.theta[1] + self.theta[2] * pairs_per_token / 1000.0
         if left <= 0:
@@ -78,6 +82,6 @@ class StepCostModel:
     def describe(self) -> str:
         t = self.theta
         return (f"{t[0] * 1e3:.1f} ms + {t[1] * 1e3:.3f} ms/token + {t[2] * 1e3:.4f} ms/1k pairs + "
-                f"{t[3] * 1e3:.3f} ms/encoder token + {t[4] * 1e3:.4f} ms/adapter row + {t[5] * 1e3:.2f} ms/adapter "
-                f"({self.num_observed} steps)")
+                f"{t[3] * 1e3:.3f} ms/encoder token + {t[4] * 1e3:.4f} ms/adapter row + {t[5] * 1e3:.2f} ms/adapter + "
+                f"{t[6] * 1e3:.3f} ms/sampled row ({self.num_observed} steps)")
 
