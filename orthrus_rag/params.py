@@ -111,7 +111,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    priority: int = 0  # lower runs sooner (vLLM's convention); see PoolingParams.priority
+    priority: int = 0  # lower runs sooner (vLLM's convention); < 0 latency-critical, > 0 bulk: PoolingParams.priority
     # None: no log-probabilities; k >= 0: each sampled token's log-probability and the k best at its position,
     # taken by the sampler in the step that samples the token
     logprobs: int | None = None
@@ -175,6 +175,9 @@ class PoolingParams:
     refusing it.
     `priority`: lower runs sooner (vLLM's convention). Below 0 marks latency-critical work, such as the query
     embedding a multi-hop chain waits on: the `orthrus` policy serves it before splitting the rest of a step.
+    Above 0 marks bulk work, such as documents ingested while serving: under every policy it runs only on the
+    budget (and sequence slots) that the other work leaves, so it never delays them; while they saturate every
+    step, it waits.
     `input_type`: "query" or "document" (Cohere's and Voyage's name): an embedding adapter whose card names a
     prefix for that kind of input (`orthrus_embedding.json`, as the shipped `smollm2_embed`) gets it from the
     engine, unless `instruction` is given; other models ignore it.

@@ -203,3 +203,73 @@ def test_orthrus_keeps_sequence_slots_for_embeddings_when_decodes_fill_them():
     eng.step()
     eng.add(make_request("e0", "embed", 30))
     assert not any(s.req.is_embed for s in eng.step().scheduled)  # the baseline has no such guard
+
+
+def _bulk(req):
+    req.pooling_params = PoolingParams(priority=1)
+    return req
+
+
+def _serving_tokens(out) -> dict[str, int]:
+    return {**{s.req.req_id: s.num_new_tokens for s in out.scheduled if not s.req.is_bulk},
+            **{r.req_id: r.num_tokens for r in out.encoder if not r.is_bulk}}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_bulk_work_takes_only_what_serving_leaves(policy):
+    """Under every policy a bulk backlog (priority > 0: an ingest) leaves the serving requests' schedule exactly as
+    it is without it, step by step, and runs on the budget they leave: all of it done by the time they are."""
+    def serving(eng):
+        for i in range(4):
+            eng.add(make_request(f"g{i}", "generate", 60, max_tokens=12))
+        for i in range(6):
+            eng.add(make_request(f"e{i}", "encoder" if i % 2 else "embed", 25))
+
+    plain, busy = _engine(policy, min_share=0.1), _engine(policy, min_share=0.1)
+    serving(plain)
+    serving(busy)
+    bulk = [_bulk(make_request(f"b{i}", "encoder" if i % 3 else "embed", 40)) for i in range(12)]
+    for req in bulk:
+        busy.add(req)
+    bulk_tokens = 0
+    for _ in range(40):
+        a, b = plain.step(), busy.step()
+        assert _serving_tokens(a) == _serving_tokens(b)
+        bulk_tokens += sum(s.num_new_tokens for s in b.scheduled if s.req.is_bulk) + sum(
+            r.num_tokens for r in b.encoder if r.is_bulk)
+        if not plain.scheduler.has_unfinished():
+            break
+    assert not plain.scheduler.has_unfinished()
+    assert bulk_tokens > 0  # it used the slack beside the serving work, not only after it
+    for _ in range(20):
+        if not busy.scheduler.has_unfinished():
+            break
+        busy.step()
+    assert all(r.is_finished for r in bulk)
+
+
+def test_bulk_waits_while_serving_work_fills_every_step():
+    eng = _engine("orthrus", min_share=0.1)
+    for i in range(5):
+        eng.add(make_request(f"g{i}", "generate", 200))
+    doc = _bulk(make_request("doc", "encoder", 30))
+    eng.add(doc)
+    for _ in range(10):  # 1,000 prompt tokens: ten whole steps of 100
+        out = eng.step()
+        assert out.num_batched_tokens == 100 and doc not in out.encoder
+    out = eng.step()
+    assert doc in out.encoder
+
+
+def test_bulk_is_not_a_pending_kind_and_puts_no_target_at_risk():
+    """The policies never see bulk: no share of a split, no reserved sequence slot, no latency target at risk from
+    an old bulk arrival."""
+    eng = _engine("orthrus", min_share=0.5, seqs=8)
+    for i in range(3):
+        eng.add(_bulk(make_request(f"b{i}", "embed", 500)))
+    eng.add(make_request("g0", "generate", 300))
+    sched = eng.scheduler
+    assert sched.pending(embed=True) == [] and [r.req_id for r in sched.pending_bulk()] == ["b0", "b1", "b2"]
+    assert sched.policy.reserved_seqs(sched) == 0
+    embed, prefill = _split_step(eng)
+    assert (embed, prefill) == (0, 100)  # the prompt takes the whole step: bulk gets what it leaves (nothing)

@@ -39,14 +39,23 @@ class SchedulerQueues:
 
     def pending(self, embed: bool) -> list[Request]:
         """Requests of one kind with prompt/embedding tokens to process: in-flight chunked ones first (admission
-        order), then waiting ones (arrival order; preempted requests were put back at the front)."""
+        order), then waiting ones (arrival order; preempted requests were put back at the front). Bulk requests
+        (priority > 0) are not among them: no policy sees them (`pending_bulk`)."""
         if self._pending is not None and embed in self._pending:
             return self._pending[embed]  # NOTE: one snapshot per step: policies ask several times
-        inflight = [r for r in self.running if r.is_embed == embed and not r.is_decoding]
-        pending = inflight + [r for r in self.waiting if r.is_embed == embed]
+        inflight = [r for r in self.running if r.is_embed == embed and not r.is_decoding and not r.is_bulk]
+        pending = inflight + [r for r in self.waiting if r.is_embed == embed and not r.is_bulk]
         if self._pending is not None:
             self._pending[embed] = pending
         return pending
+
+    def pending_bulk(self) -> list[Request]:
+        """Bulk requests (priority > 0) with tokens to process, both kinds, in-flight first then in arrival order:
+        the scheduler gives them what budget the policy's lanes and fallback leave. Kept out of every policy's
+        view so that a bulk backlog takes no share of a split, holds no reserved sequence slot and puts no latency
+        target at risk (its old arrivals would)."""
+        inflight = [r for r in self.running if r.is_bulk and not r.is_decoding]
+        return inflight + [r for r in self.waiting if r.is_bulk]
 
     def remaining_cost(self, reqs: list[Request]) -> int:
         """Budget tokens `reqs` still need (encoder tokens weighted by their relative cost)."""

@@ -68,9 +68,14 @@ class Request:
 
     @property
     def priority(self) -> int:
-        """Lower runs sooner; below 0: latency-critical (params.py)."""
+        """Lower runs sooner; below 0: latency-critical; above 0: bulk (params.py)."""
         params = self.pooling_params if self.is_embed else self.sampling_params
         return getattr(params, "priority", 0)
+
+    @property
+    def is_bulk(self) -> bool:
+        """Background work (priority > 0, e.g. a corpus ingest): it takes only the budget other work leaves."""
+        return self.priority > 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
 Order per step: running decodes (one token each), then the residual budget shared by the policy
 (orthrus_rag.engine.core.policies) between embedding and prompt work, in-flight chunked requests before new ones of
-their kind, each chunked to fill what is left (`max_chunk_tokens` caps a chunk).
+their kind, each chunked to fill what is left (`max_chunk_tokens` caps a chunk), then bulk requests (priority > 0:
+an ingest while serving) on whatever budget and sequence slots are still left.
 Encoder requests (separate bidirectional model) run whole; their tokens cost `encoder_token_weight` each.
 When KV blocks run out, the newest running request is preempted (recompute).
 
@@ -264,6 +265,8 @@ class Scheduler(SchedulerQueues):
         for lane in self.policy.lanes(self, self._budget_left(out)):
             self._fill([r for r in lane.candidates if allowed[r.is_embed]], lane.cap, out)
         self._fill([r for r in self.policy.fallback(self) if allowed[r.is_embed]], None, out)
+        # 3. bulk work (priority > 0: an ingest while serving) on what is still left
+        self._fill([r for r in self.pending_bulk() if allowed[r.is_embed]], None, out)
         if self.targets is not None:
             out.embed_at_risk, out.generate_at_risk = self.at_risk(embed=True), self.at_risk(embed=False)
         return out
