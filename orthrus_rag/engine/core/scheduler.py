@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from orthrus_rag.config import SchedulerConfig
@@ -24,6 +24,7 @@ from orthrus_rag.engine.core.block_manager import BlockManager
 from orthrus_rag.engine.core.policies import Policy, SchedulerQueues, make_policy
 from orthrus_rag.engine.core.request import Request, RequestStatus
 from orthrus_rag.engine.core.step_cost import StepCostModel, StepShape
+from orthrus_rag.engine.core.step_sizing import StepSizer
 
 
 @dataclass
@@ -94,15 +95,9 @@ class Scheduler(SchedulerQueues):
         # target that bounds step time)
         self.cost_model = (cost_model if config.cost_budget is not False and self.policy.sizes_steps_by_cost
                            else None)
-        # the cost budget's own rule for steps with decodes (step_time_target, else the decodes' time x (1 +
-        # step_time_margin)); False where the model is on only for latency targets (slo.py), which then alone
-        # bound steps
-        self.decode_margin = decode_margin
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
-        # this step's time bound when a latency target (slo.itl_s, slo.embed_p95_s) sized it: whole encoder inputs
-        # are held to it as well (the margin rule without a target stays a token budget, as before targets)
-        self._time_target: float | None = None
-        self._keys_per_token = 0.0  # the keys a prompt / embedding chunk token is expected to attend (_step_cap)
+        # the step's time bound and token cap from the cost model and latency targets (step_sizing.py)
+        self.sizing = StepSizer(config, self.cost_model, self.targets, decode_margin)
         # every unfinished request by id: the one registry of request state (waiting, running, handed off)
         self.requests: dict[str, Request] = {}
 
@@ -258,8 +253,9 @@ class Scheduler(SchedulerQueues):
                 if req in self.running:
                     self._schedule_running(req, 1, out)
         self._pending = {}  # decodes may have preempted: the lanes see the queues as they are now
-        self._cap = self.policy.step_cap(self, self._step_cap(out), out.budget_used)
-        self.horizon = self._horizon(out)
+        self._cap = self.policy.step_cap(self, self.sizing.cap(out, self.running), out.budget_used)
+        self.horizon = self.sizing.horizon(out, self._cap, lambda: self.remaining_cost(self.pending(embed=True))
+                                           + self.remaining_cost(self.pending(embed=False)))
         # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
         allowed = {True: allow_embed, False: allow_generate}
         for lane in self.policy.lanes(self, self._budget_left(out)):
@@ -294,71 +290,6 @@ class Scheduler(SchedulerQueues):
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self._cap - out.budget_used
 
-    def _step_cap(self, out: SchedulerOutput) -> int:
-        """This step's token budget once its decodes are in: what fits in the step-time target beside them.
-        Without decodes a step is whole (max_num_batched_tokens) unless an embedding target bounds every step
-        (slo.py)."""
-        cfg, cost = self.config, self.cost_model
-        self._time_target = None
-        bound = self.targets.step_time_bound(bool(out.scheduled)) if self.targets is not None else None
-        if cost is None:
-            return cfg.max_num_batched_tokens
-        shape = out.shape()
-        target = bound
-        if out.scheduled and (self.decode_margin or cfg.step_time_target):
-            own = self._decode_time_target(shape)
-            target = own if target is None else min(own, target)
-        if target is None:
-            return cfg.max_num_batched_tokens
-        if bound is not None:
-            # NOTE: a latency target's bound holds whole encoder inputs to it too (_encoder_time_fit)
-            self._time_target = target
-        chunks = [r.num_computed_tokens for r in self.running if not r.is_decoding]
-        keys_per_token = (sum(chunks) / len(chunks) if chunks else 0.0) + cfg.max_chunk_tokens / 2
-        self._keys_per_token = keys_per_token
-        extra = max(cost.tokens_within(shape, target, keys_per_token), cfg.min_step_tokens)
-        cap = min(cfg.max_num_batched_tokens, out.budget_used + extra)
-        out.time_capped = bound is not None and cap < cfg.max_num_batched_tokens
-        return cap
-
-    def _horizon(self, out: SchedulerOutput) -> float:
-        """The step's predicted seconds once filled to its cap, or with all pending work where that is less, and at
-        least a latency target's bound where one sized it (0 without a cost model): a request passed over now
-        waits that long more (slo.py's at-risk rule counts it)."""
-        if self.cost_model is None or self.targets is None:
-            return 0.0
-        shape = out.shape()
-        pending = self.remaining_cost(self.pending(embed=True)) + self.remaining_cost(self.pending(embed=False))
-        more = max(min(self._cap - out.budget_used, pending), 0)
-        predicted = self.cost_model.predict(replace(shape, num_tokens=shape.num_tokens + more))
-        # NOTE: the cap fills the step to just under its bound, so a request that arrived just before this step
-        # (it has waited ~0) fell short of an embedding target's threshold (half the target, as the bound) by the
-        # rounding: measured at 3:7, embeddings waited a third step (p95 0.25 s against a 0.165 s target)
-        return max(predicted, self._time_target or 0.0)
-
-    def _decode_time_target(self, shape: StepShape) -> float:
-        """How long the cost budget lets a step carrying decodes take: `step_time_target`, or the decodes' own
-        predicted time x (1 + step_time_margin). (Latency targets bound it further: slo.py.)"""
-        cfg = self.config
-        if cfg.step_time_target:
-            return cfg.step_time_target
-        return (1.0 + cfg.step_time_margin) * self.cost_model.predict(shape)
-
-    def _encoder_time_fit(self, req: Request, out: SchedulerOutput) -> bool | None:
-        """Whether a whole encoder request keeps a step within a latency target's time bound (an encoder request
-        never splits, so the token cap alone cannot bound it): True, False (not in this step), or None: it would
-        overrun the bound even beside the decodes alone, so no step can ever fit it."""
-        if self._time_target is None:
-            return True
-        base = out.shape()
-        with_req = replace(base, num_encoder_tokens=base.num_encoder_tokens + req.num_tokens)
-        if self.cost_model.predict(with_req) <= self._time_target:
-            return True
-        decodes = [s for s in out.scheduled if s.req.is_decoding]
-        alone = StepShape(len(decodes), sum(s.req.num_computed_tokens + 1 for s in decodes), req.num_tokens,
-                          num_sampled_rows=len(decodes))
-        return None if self.cost_model.predict(alone) > self._time_target else False
-
     def _fill(self, candidates: list[Request], cap: int | None, out: SchedulerOutput) -> None:
         """Chunk candidates in order into at most `cap` budget tokens. In-flight requests continue (and may
         preempt newer ones for blocks); waiting ones are admitted only while blocks are free and no preemption
@@ -383,7 +314,7 @@ class Scheduler(SchedulerQueues):
                 cost = self._encoder_cost(req)
                 # NOTE: an encoder request never splits. The first of a lane may overdraw the lane's cap (else a
                 # small share could never fit it); one that exceeds the whole budget runs alone.
-                time_fit = self._encoder_time_fit(req, out)
+                time_fit = self.sizing.encoder_time_fit(req, out)
                 if time_fit is None:
                     # NOTE: it can never fit beside decodes: it runs as the step's only encoder request, over the
                     # time target, rather than wait for a step without decodes that a steady stream of generations
@@ -402,11 +333,7 @@ class Scheduler(SchedulerQueues):
                 out.num_batched_tokens += req.num_tokens
                 out.budget_used += cost
                 used += cost
-                if self._time_target is not None:
-                    # NOTE: the cap counted decoder tokens only: what time the encoder request took is not left
-                    # for the chunks after it
-                    left_tokens = self.cost_model.tokens_within(out.shape(), self._time_target, self._keys_per_token)
-                    self._cap = min(self._cap, out.budget_used + left_tokens)
+                self._cap = self.sizing.cap_after_encoder(out, self._cap)
                 continue
             if req in self.running:
                 num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)
