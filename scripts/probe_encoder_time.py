@@ -1,0 +1,76 @@
+"""Where the engine's corpus-embedding time goes, without a profiler's per-op overhead: the builder's own path
+(`embed_documents` through the engine, as `orthrus-rag index` runs it) over the first passages of a corpus, with the
+separate encoder's forward, its attention and the runner's steps timed apart by wrapping them. Prints one line.
+
+    .venv/bin/python scripts/probe_encoder_time.py --corpus runs/corpus/2wiki_200k.jsonl.gz --count 1000 --dtype auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_corpus_embed as bench  # noqa: E402 (a sibling script)
+
+
+def _timed(owner: Any, name: str, totals: dict[str, float], key: str) -> None:
+    """Wrap `owner.name` so that its calls' seconds add up in totals[key]."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", type=Path, required=True)
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+
+    from orthrus_rag.engine.executor.runner import ModelRunner
+    from orthrus_rag.entrypoints.clients import build_client
+    from orthrus_rag.entrypoints.commands import _embedder
+    from orthrus_rag.models.bert import BertEncoder, Packing
+
+    totals = {"steps": 0.0, "encoder_forward": 0.0, "attention": 0.0}
+    _timed(ModelRunner, "execute", totals, "steps")
+    _timed(BertEncoder, "forward", totals, "encoder_forward")
+    _timed(Packing, "attend", totals, "attention")
+    texts = bench.read_passages(args.corpus, args.count + 32)
+    warm, texts = texts[:32], texts[32:]
+    cfg = bench._engine_cfg("minilm", args.dtype, args.threads, 512)
+    client = build_client(cfg)
+    try:
+        embedder = _embedder(cfg, client, batch_size=len(texts))
+        embedder.embed_documents(warm)
+        totals.update(dict.fromkeys(totals, 0.0))
+        start = time.perf_counter()
+        embedder.embed_documents(texts)
+        wall = time.perf_counter() - start
+    finally:
+        asyncio.run(client.aclose())
+    print(f"{args.dtype}: {len(texts)} passages in {wall:.2f} s ({len(texts) / wall:.1f}/s); "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in totals.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
