@@ -264,10 +264,12 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
             assert not req.block_table and req.status is RequestStatus.WAITING
             assert any(w is req for w in eng.scheduler.waiting)
 
-    # age priority: blocks are taken from newer requests only, so the oldest running request (which fits the
-    # cache alone) is never preempted and cannot starve
-    if before.running:
-        assert id(before.running[0]) not in preempted_ids, f"oldest request {before.running[0].req_id} preempted"
+    # age priority: blocks are taken from bulk requests, then from newer ones only, so the oldest running serving
+    # request (which fits the cache alone) is never preempted and cannot starve; a bulk request takes blocks only
+    # from bulk ones
+    serving = [r for r in before.running if not r.is_bulk]
+    if serving:
+        assert id(serving[0]) not in preempted_ids, f"oldest request {serving[0].req_id} preempted"
 
     # decodes first: every running decode gets its token while they all fit and nothing was preempted
     sched = {id(s.req): s.num_new_tokens for s in out.scheduled}

@@ -129,7 +129,7 @@ def test_a_step_in_several_passes_equals_one_pass(encoder, token_ids):
     finally:
         encoder.max_pass_tokens = 4096
     for a, b in zip(whole, cut):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # NOTE: GEMMs of other row counts may round apart
 
 
 @pytest.mark.isa

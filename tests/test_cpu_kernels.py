@@ -141,6 +141,10 @@ def test_encoder_kernel_reads_strided_queries_and_refuses_fp32():
     assert not encoder_kernel_available(torch.randn(3, 2, 48).bfloat16())  # head sizes: multiples of 32
     with pytest.raises(RuntimeError, match="bfloat16"):
         encoder_attention(q.float(), k.float(), v.float(), *bounds, 0.2)
+    with pytest.raises(RuntimeError, match="outside the batch"):  # rows past the end are refused, not read
+        encoder_attention(q, k, v, torch.tensor([0, 4]), torch.tensor([4, 7]), 0.2)
+    with pytest.raises(RuntimeError, match="int64"):
+        encoder_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), torch.tensor([4, 6]), 0.2)
 
 
 # ---- fused elementwise kernels -----------------------------------------------------------------------------------

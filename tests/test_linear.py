@@ -72,7 +72,10 @@ def test_linear_gelu_is_the_exact_gelu_of_the_map_packed_or_not(dtype):
     with torch.inference_mode():
         want = torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float()))
         torch.testing.assert_close(linear_gelu(lin, x).float(), want, atol=2e-2, rtol=2e-2)  # unpacked
-        pack_linears(nn.Sequential(lin), from_rows=8)
+        seq = nn.Sequential(lin)
+        pack_linears(seq, from_rows=8)
+        lin = seq[0]  # the PackedLinear that took over the layer's Parameters
+        assert getattr(lin, "_onednn", None) is not None
         tol = 1e-5 if dtype == torch.float32 else 4e-2  # NOTE: bf16: the product is rounded before the GELU or not
         torch.testing.assert_close(linear_gelu(lin, x).float(), want, atol=tol, rtol=tol)
         torch.testing.assert_close(linear_gelu(lin, x[:3]).float(), want[:3], atol=tol, rtol=tol)  # below from_rows

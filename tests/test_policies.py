@@ -215,10 +215,12 @@ def _serving_tokens(out) -> dict[str, int]:
             **{r.req_id: r.num_tokens for r in out.encoder if not r.is_bulk}}
 
 
+@pytest.mark.parametrize("bulk_first", [False, True])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_bulk_work_takes_only_what_serving_leaves(policy):
-    """Under every policy a bulk backlog (priority > 0: an ingest) leaves the serving requests' schedule exactly as
-    it is without it, step by step, and runs on the budget they leave: all of it done by the time they are."""
+def test_bulk_work_takes_only_what_serving_leaves(policy, bulk_first):
+    """Under every policy a bulk backlog (priority > 0: an ingest), whether it arrived before or after the serving
+    requests, leaves their schedule exactly as it is without it, step by step, and runs on the budget they leave:
+    all of it done soon after they are."""
     def serving(eng):
         for i in range(4):
             eng.add(make_request(f"g{i}", "generate", 60, max_tokens=12))
@@ -227,10 +229,13 @@ def test_bulk_work_takes_only_what_serving_leaves(policy):
 
     plain, busy = _engine(policy, min_share=0.1), _engine(policy, min_share=0.1)
     serving(plain)
-    serving(busy)
     bulk = [_bulk(make_request(f"b{i}", "encoder" if i % 3 else "embed", 40)) for i in range(12)]
+    if not bulk_first:
+        serving(busy)
     for req in bulk:
         busy.add(req)
+    if bulk_first:
+        serving(busy)
     bulk_tokens = 0
     for _ in range(40):
         a, b = plain.step(), busy.step()
@@ -240,7 +245,8 @@ def test_bulk_work_takes_only_what_serving_leaves(policy):
         if not plain.scheduler.has_unfinished():
             break
     assert not plain.scheduler.has_unfinished()
-    assert bulk_tokens > 0  # it used the slack beside the serving work, not only after it
+    if policy != "unified-homo":  # NOTE: its steps never mix kinds: no slack beside a serving step of the other kind
+        assert bulk_tokens > 0  # it used the slack beside the serving work, not only after it
     for _ in range(20):
         if not busy.scheduler.has_unfinished():
             break
@@ -273,3 +279,55 @@ def test_bulk_is_not_a_pending_kind_and_puts_no_target_at_risk():
     assert sched.policy.reserved_seqs(sched) == 0
     embed, prefill = _split_step(eng)
     assert (embed, prefill) == (0, 100)  # the prompt takes the whole step: bulk gets what it leaves (nothing)
+
+
+def test_blocks_go_from_bulk_to_serving_never_the_other_way():
+    """Short of KV blocks, a serving request preempts a bulk one before any newer serving one, and a bulk request
+    never takes blocks from serving work; while a waiting serving request finds no blocks, no bulk one is admitted."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_chunk_tokens=64, max_num_seqs=16, policy="orthrus")
+    eng = FakeEngine(cfg, num_blocks=12, block_size=16)  # 192 KV slots
+    bulk_gen = make_request("bulk", "generate", 60, max_tokens=40)
+    bulk_gen.sampling_params.priority = 1
+    eng.add(bulk_gen)
+    for _ in range(3):
+        eng.step()
+    assert bulk_gen.is_decoding and bulk_gen in eng.scheduler.running
+    # the two serving generations fit the cache together (2 x 4 blocks), not beside the bulk one (7 blocks)
+    first, second = make_request("s0", "generate", 30, max_tokens=20), make_request("s1", "generate", 30,
+                                                                                    max_tokens=20)
+    eng.add(first)
+    eng.add(second)
+    preempted = []
+    for _ in range(200):
+        out = eng.step()
+        preempted += [r.req_id for r in out.preempted]
+        if first.is_finished and second.is_finished:
+            break
+    assert first.is_finished and second.is_finished
+    assert preempted and set(preempted) == {"bulk"}  # only the bulk generation gave its blocks back
+    late = _bulk(make_request("late", "embed", 200))  # needs blocks while the bulk generation catches up
+    eng.add(late)
+    for _ in range(300):
+        if not eng.scheduler.has_unfinished():
+            break
+        eng.step()
+    assert bulk_gen.is_finished and late.is_finished
+
+
+def test_no_bulk_request_is_admitted_while_a_serving_one_waits_for_blocks():
+    cfg = SchedulerConfig(max_num_batched_tokens=128, max_chunk_tokens=64, max_num_seqs=16, policy="orthrus")
+    eng = FakeEngine(cfg, num_blocks=8, block_size=16)
+    eng.add(make_request("g0", "generate", 96, max_tokens=30))  # 6 of the 8 blocks once its prompt is in
+    eng.step()
+    eng.step()
+    big = make_request("big", "generate", 64, max_tokens=4)  # its first chunk needs 4 blocks: 2 are free
+    eng.add(big)
+    doc = _bulk(make_request("doc", "embed", 20))  # one chunk: no blocks of its own
+    eng.add(doc)
+    out = eng.step()
+    assert big not in [s.req for s in out.scheduled] and not doc.is_finished
+    for _ in range(60):
+        if not eng.scheduler.has_unfinished():
+            break
+        eng.step()
+    assert big.is_finished and doc.is_finished

@@ -207,8 +207,9 @@ class HeteroFCFSPolicy(_Base):
     name = "hetero-fcfs"
 
     def lanes(self, sched: SchedulerQueues, residual: int) -> list[Lane]:
-        inflight = [r for r in sched.running if not r.is_decoding]
-        return [Lane(inflight + list(sched.waiting), residual)]  # waiting is in arrival order
+        inflight = [r for r in sched.running if not r.is_decoding and not r.is_bulk]
+        # NOTE: waiting is in arrival order; bulk work is the scheduler's, after this lane (pending_bulk)
+        return [Lane(inflight + [r for r in sched.waiting if not r.is_bulk], residual)]
 
     def fallback(self, sched: SchedulerQueues) -> list[Request]:
         return []
@@ -225,7 +226,10 @@ class UnifiedHomoPolicy(_Base):
 
     def step_kinds(self, sched: SchedulerQueues) -> tuple[bool, bool]:
         has_e = bool(sched.pending(embed=True))
-        has_g = bool(sched.pending(embed=False)) or any(r.is_decoding for r in sched.running)
+        has_g = bool(sched.pending(embed=False)) or any(r.is_decoding and not r.is_bulk for r in sched.running)
+        if not has_e and not has_g:  # NOTE: only bulk work (pending_bulk) is left: its kind gets the step
+            bulk = sched.pending_bulk()
+            has_e = any(r.is_embed for r in bulk)
         embed = has_e and (not has_g or not self._last_embed)
         self._last_embed = embed
         return embed, not embed

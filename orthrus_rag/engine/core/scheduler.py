@@ -93,13 +93,22 @@ class Scheduler(SchedulerQueues):
         # the step-time model sizes steps only for a policy that asks for it (the baselines keep token budgets)
         # (config.cost_budget None: the engine passes a model only where it applies: on CUDA, or for a latency
         # target that bounds step time)
-        self.cost_model = (cost_model if config.cost_budget is not False and self.policy.sizes_steps_by_cost
-                           else None)
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
+        self._admission_blocked = False
         # the step's time bound and token cap from the cost model and latency targets (step_sizing.py)
-        self.sizing = StepSizer(config, self.cost_model, self.targets, decode_margin)
+        self.sizing = StepSizer(config, cost_model if config.cost_budget is not False
+                                and self.policy.sizes_steps_by_cost else None, self.targets, decode_margin)
         # every unfinished request by id: the one registry of request state (waiting, running, handed off)
         self.requests: dict[str, Request] = {}
+
+    @property
+    def cost_model(self) -> StepCostModel | None:
+        """The step-time model that sizes steps and learns from them (one object: step_sizing.py holds it)."""
+        return self.sizing.cost_model
+
+    @cost_model.setter
+    def cost_model(self, model: StepCostModel | None) -> None:
+        self.sizing.cost_model = model
 
     def add(self, req: Request) -> None:
         self._register(req)
@@ -199,13 +208,22 @@ class Scheduler(SchedulerQueues):
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
+    def _victim(self, req: Request) -> Request:
+        """Whose blocks `req` takes: the newest bulk request while there is one (bulk work never holds blocks that
+        serving work needs), else the newest running request; a bulk request takes only from bulk ones (the newest,
+        perhaps itself), never from serving ones."""
+        bulk = next((r for r in reversed(self.running) if r.is_bulk), None)
+        if bulk is not None or req.is_bulk:
+            return bulk if bulk is not None else req
+        return self.running[-1]
+
     def _schedule_running(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Give blocks to a running request, preempting the newest running requests (newer than `req`: blocks
-        only flow from newer to older, so the oldest request always progresses); False if `req` itself was
-        preempted."""
+        """Give blocks to a running request, preempting bulk requests first, then the newest running requests (newer
+        than `req`: blocks only flow from newer to older, so the oldest serving request always progresses); False
+        if `req` itself was preempted."""
         # NOTE: decodes are scheduled before older in-flight prefills, so a victim may already be in this step
         while not self.block_manager.can_allocate(req, num_new):
-            victim = self.running[-1]
+            victim = self._victim(req)
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -243,11 +261,14 @@ class Scheduler(SchedulerQueues):
         cfg = self.config
         out = SchedulerOutput()
         self._pending = {}
+        self._admission_blocked = False  # a waiting serving request found no free blocks this step (_fill)
         self._cap = cfg.max_num_batched_tokens
         # 1. decodes: one token each, leaving the sequence slots the policy reserves for the other kind
         if allow_generate:
             max_decodes = cfg.max_num_seqs - (self.policy.reserved_seqs(self) if reserve else 0)
-            for req in [r for r in self.running if r.is_decoding]:
+            # NOTE: bulk decodes last: they take what slots and budget the serving ones leave
+            decodes = [r for r in self.running if r.is_decoding]
+            for req in [r for r in decodes if not r.is_bulk] + [r for r in decodes if r.is_bulk]:
                 if self._budget_left(out) < 1 or len(out.scheduled) >= max_decodes:
                     break
                 if req in self.running:
@@ -255,14 +276,16 @@ class Scheduler(SchedulerQueues):
         self._pending = {}  # decodes may have preempted: the lanes see the queues as they are now
         self._cap = self.policy.step_cap(self, self.sizing.cap(out, self.running), out.budget_used)
         self.horizon = self.sizing.horizon(out, self._cap, lambda: self.remaining_cost(self.pending(embed=True))
-                                           + self.remaining_cost(self.pending(embed=False)))
+                                           + self.remaining_cost(self.pending(embed=False))
+                                           + self.remaining_cost(self.pending_bulk()))
         # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
         allowed = {True: allow_embed, False: allow_generate}
         for lane in self.policy.lanes(self, self._budget_left(out)):
             self._fill([r for r in lane.candidates if allowed[r.is_embed]], lane.cap, out)
         self._fill([r for r in self.policy.fallback(self) if allowed[r.is_embed]], None, out)
         # 3. bulk work (priority > 0: an ingest while serving) on what is still left
-        self._fill([r for r in self.pending_bulk() if allowed[r.is_embed]], None, out)
+        if not self._admission_blocked:  # NOTE: else a small bulk request would take blocks a waiting one needs
+            self._fill([r for r in self.pending_bulk() if allowed[r.is_embed]], None, out)
         if self.targets is not None:
             out.embed_at_risk, out.generate_at_risk = self.at_risk(embed=True), self.at_risk(embed=False)
         return out
@@ -347,6 +370,7 @@ class Scheduler(SchedulerQueues):
             if not self.block_manager.can_allocate(req, num_new):
                 self.block_manager.unmatch(req)
                 admit = False  # in-flight requests later in the list still continue
+                self._admission_blocked = self._admission_blocked or not req.is_bulk
                 continue
             self.block_manager.allocate(req, num_new)
             self.waiting.remove(req)

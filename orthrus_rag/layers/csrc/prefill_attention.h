@@ -239,6 +239,13 @@ void encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
               out.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous(),
               "encoder_attention: contiguous tensors");
   TORCH_CHECK(k.size(0) == q.size(0) && v.sizes() == k.sizes(), "encoder_attention: q, k and v rows differ");
+  TORCH_CHECK(q_start.scalar_type() == torch::kLong && q_len.scalar_type() == torch::kLong &&
+              q_len.size(0) == q_start.size(0), "encoder_attention: q_start and q_len: int64, one per sequence");
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  for (int64_t s = 0; s < q_start.size(0); ++s)
+    TORCH_CHECK(qs[s] >= 0 && ql[s] >= 0 && qs[s] + ql[s] <= q.size(0), "encoder_attention: sequence ", s,
+                " (rows ", qs[s], " + ", ql[s], ") is outside the batch's ", q.size(0), " rows");
   attend_rows(q, k, v, q_start, q_len, torch::zeros_like(q_len), nullptr, 0, scale, -1, false, out);
 #else
   TORCH_CHECK(false, "encoder_attention: built without AVX512-BF16");
