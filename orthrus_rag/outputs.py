@@ -131,6 +131,7 @@ class StepStats:
     generate_at_risk: bool = False
     time_capped: bool = False
     decode_gaps: list[float] = field(default_factory=list)
+    predicted_step_time: float | None = None  # the step-cost model's seconds for it as planned (None: no model)
 
     @property
     def is_mixed(self) -> bool:

@@ -152,3 +152,16 @@ def test_a_steps_shape_counts_the_rows_that_sample():
     model = StepCostModel()
     model.theta = np.array([0.01, 0.001, 0.0, 0.0, 0.0, 0.0, 0.002])
     assert abs(model.predict(shape) - (0.01 + 0.121 + 0.004)) < 1e-9
+
+
+def test_a_scheduled_step_carries_the_models_prediction():
+    """Each step the cost model sizes carries its predicted seconds (engine stats and benchmark step logs show it
+    beside the measured time); the baselines' token budgets carry none."""
+    eng = _decoding(_engine())
+    eng.add(make_request("p", "generate", 300))
+    out = eng.step()
+    assert out.predicted_s is not None and out.predicted_s > 0
+    plain = FakeEngine(SchedulerConfig(max_num_batched_tokens=CAP, policy="hetero-fcfs"), num_blocks=256,
+                       block_size=16, cost_model=_fake_cost())
+    plain.add(make_request("q", "generate", 40))
+    assert plain.step().predicted_s is None

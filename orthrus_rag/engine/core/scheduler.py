@@ -45,6 +45,9 @@ class SchedulerOutput:
     embed_at_risk: bool = False
     generate_at_risk: bool = False
     time_capped: bool = False
+    # the step-cost model's seconds for the step as scheduled (None without a model): beside the measured time it
+    # shows whether sizing under- or overpredicts
+    predicted_s: float | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -288,6 +291,8 @@ class Scheduler(SchedulerQueues):
             self._fill([r for r in self.pending_bulk() if allowed[r.is_embed]], None, out)
         if self.targets is not None:
             out.embed_at_risk, out.generate_at_risk = self.at_risk(embed=True), self.at_risk(embed=False)
+        if self.cost_model is not None:
+            out.predicted_s = self.cost_model.predict(out.shape())
         return out
 
     def _top_up(self, req: Request, left: int, out: SchedulerOutput) -> None:
