@@ -13,26 +13,12 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_corpus_embed as bench  # noqa: E402 (a sibling script)
-
-
-def _timed(owner: Any, name: str, totals: dict[str, float], key: str) -> None:
-    """Wrap `owner.name` so that its calls' seconds add up in totals[key]."""
-    inner = getattr(owner, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            totals[key] += time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
+from step_phases import TOTALS, timed  # noqa: E402 (its timers)
 
 
 def main() -> int:
@@ -50,10 +36,9 @@ def main() -> int:
     from orthrus_rag.entrypoints.commands import _embedder
     from orthrus_rag.models.bert import BertEncoder, Packing
 
-    totals = {"steps": 0.0, "encoder_forward": 0.0, "attention": 0.0}
-    _timed(ModelRunner, "execute", totals, "steps")
-    _timed(BertEncoder, "forward", totals, "encoder_forward")
-    _timed(Packing, "attend", totals, "attention")
+    for owner, name, label in [(ModelRunner, "execute", "steps"), (BertEncoder, "forward", "encoder_forward"),
+                               (Packing, "attend", "attention")]:
+        timed(owner, name, label)
     texts = bench.read_passages(args.corpus, args.count + 32)
     warm, texts = texts[:32], texts[32:]
     cfg = bench._engine_cfg("minilm", args.dtype, args.threads, 512)
@@ -61,14 +46,14 @@ def main() -> int:
     try:
         embedder = _embedder(cfg, client, batch_size=len(texts))
         embedder.embed_documents(warm)
-        totals.update(dict.fromkeys(totals, 0.0))
+        TOTALS.clear()
         start = time.perf_counter()
         embedder.embed_documents(texts)
         wall = time.perf_counter() - start
     finally:
         asyncio.run(client.aclose())
     print(f"{args.dtype}: {len(texts)} passages in {wall:.2f} s ({len(texts) / wall:.1f}/s); "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in totals.items()))
+          + ", ".join(f"{k} {TOTALS[k]:.2f} s" for k in ("steps", "encoder_forward", "attention")))
     return 0
 
 

@@ -204,6 +204,16 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
     }
   });
 }
+
+// Both kernels' operands: bf16; q's rows may be strided (a view of the fused Q/K/V output), each row's heads one
+// contiguous run; keys, values and out contiguous.
+void check_operands(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                    const char* what) {
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+              v.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, what, ": bfloat16 tensors");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() && v.is_contiguous() &&
+              out.is_contiguous(), what, ": contiguous tensors");
+}
 }  // namespace
 #endif
 
@@ -213,12 +223,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
                        torch::Tensor q_len, torch::Tensor ctx_len, torch::Tensor key_slots, double scale,
                        int64_t window, torch::Tensor out) {
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-              v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "prefill_attention: bfloat16 tensors");
-  // q's rows may be strided (a view of the fused Q/K/V output); each row's heads are one contiguous run
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              out.is_contiguous() && key_slots.is_contiguous(), "prefill_attention: contiguous tensors");
+  check_operands(q, k_cache, v_cache, out, "prefill_attention");
+  TORCH_CHECK(key_slots.is_contiguous(), "prefill_attention: contiguous tensors");
   attend_rows(q, k_cache, v_cache, q_start, q_len, ctx_len, key_slots.data_ptr<int64_t>(), key_slots.size(1), scale,
               window, true, out);
 #else
@@ -232,12 +238,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 void encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, torch::Tensor q_len,
                        double scale, torch::Tensor out) {
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-              v.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "encoder_attention: bfloat16 tensors");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() && v.is_contiguous() &&
-              out.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous(),
-              "encoder_attention: contiguous tensors");
+  check_operands(q, k, v, out, "encoder_attention");
+  TORCH_CHECK(q_start.is_contiguous() && q_len.is_contiguous(), "encoder_attention: contiguous tensors");
   TORCH_CHECK(k.size(0) == q.size(0) && v.sizes() == k.sizes(), "encoder_attention: q, k and v rows differ");
   TORCH_CHECK(q_start.scalar_type() == torch::kLong && q_len.scalar_type() == torch::kLong &&
               q_len.size(0) == q_start.size(0), "encoder_attention: q_start and q_len: int64, one per sequence");
