@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -13,11 +14,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from orthrus_rag.engine.async_engine import AsyncEngine
-from orthrus_rag.engine.clients.protocol import EngineClient
+from orthrus_rag.engine.clients.protocol import EngineClient, RequestFailed
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.params import PoolingParams
 
 logger = logging.getLogger(__name__)
+# what documents ingested while serving embed at: bulk work (PoolingParams.priority > 0), which every scheduling
+# policy runs only on the budget that queries and generations leave
+BULK_PRIORITY = 1
 
 
 @runtime_checkable
@@ -129,6 +133,39 @@ class EngineEmbedder(EmbedderMethods):
     def _embed_sync(self, texts: list[str], params: PoolingParams) -> np.ndarray:
         return _concat([_stack(self.client.embed_sync(list(chunk), params))
                         for chunk in batches(texts, self.batch_size, "embedding")])
+
+    def bulk_params(self, truncate: bool) -> PoolingParams:
+        return replace(self.document_params, priority=BULK_PRIORITY, truncate=truncate)
+
+    async def aembed_bulk(self, texts: Sequence[str], truncate: bool = False) -> list[np.ndarray | Exception]:
+        """Documents as bulk work (`BULK_PRIORITY`), each its own request, at most `batch_size` in flight; a text
+        the engine refuses (longer than the model takes, unless `truncate`) gets its error in its place, so a
+        caller can name every bad one and keep none of the batch."""
+        params = self.bulk_params(truncate)
+        results: list[np.ndarray | Exception] = []
+        for start in range(0, len(texts), self.batch_size):
+            window = [self.client.embed(t, params) for t in texts[start:start + self.batch_size]]
+            for out in await asyncio.gather(*window, return_exceptions=True):
+                if isinstance(out, asyncio.CancelledError):
+                    raise out
+                results.append(out if isinstance(out, Exception) else _stack([out])[0])
+        return results
+
+    def embed_bulk(self, texts: Sequence[str], truncate: bool = False) -> list[np.ndarray | Exception]:
+        """`aembed_bulk` from outside any event loop. A batch the engine refuses is asked again one text at a
+        time, to find the texts at fault (only on that path)."""
+        params = self.bulk_params(truncate)
+        try:
+            return list(self._embed_sync(list(texts), params))
+        except (ValueError, RequestFailed):
+            pass
+        results: list[np.ndarray | Exception] = []
+        for text in texts:
+            try:
+                results.append(self._embed_sync([text], params)[0])
+            except (ValueError, RequestFailed) as exc:
+                results.append(exc)
+        return results
 
     async def _aembed(self, texts: list[str], params: PoolingParams) -> np.ndarray:
         return _concat([_stack(await self.client.embed_many(list(chunk), params))

@@ -41,6 +41,17 @@ def write_shard(path: Path, passages: Sequence[Passage]) -> None:
         writer.write_table(table)
 
 
+def read_shard(path: Path) -> list[Passage]:
+    """Every passage of one shard file, read whole."""
+    pa = _pyarrow()
+    try:
+        table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise ValueError(f"{path} is not a passage shard: {exc}") from exc
+    ids, titles, texts = (table.column(k).to_pylist() for k in range(3))
+    return [Passage(a, b, c) for a, b, c in zip(ids, titles, texts)]
+
+
 class PassageStore(Sequence[Passage]):
     """The passages of a store folder, by position (`store[i]`), memory-mapped; `shards` limits it to the first
     that many shards (a build's finished ones)."""
@@ -87,6 +98,10 @@ class PassageStore(Sequence[Passage]):
         shard = bisect.bisect_right(self._starts, i) - 1
         table, row = self._tables[shard], i - self._starts[shard]
         return Passage(table.column(0)[row].as_py(), table.column(1)[row].as_py(), table.column(2)[row].as_py())
+
+    def ids(self) -> list[str]:
+        """Every passage's id, in order (one column read: no titles or texts)."""
+        return [i for table in self._tables for i in table.column(0).to_pylist()]
 
     def __iter__(self) -> Iterator[Passage]:
         for table in self._tables:

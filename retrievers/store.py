@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orthrus_rag.atomic import atomic_write
 from orthrus_rag.data.types import Passage
 from orthrus_rag.retrievers.passage_store import PassageStore
 
@@ -63,7 +64,9 @@ def read_passages(path: Path) -> list[Passage]:
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    """Atomically: a folder killed while saving keeps its old manifest (or none), never a torn one."""
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -125,12 +125,12 @@ def bench_engine(model: str, dtype: str, texts: list[str], threads: int, max_len
     import asyncio
 
     from orthrus_rag.entrypoints.clients import build_client
-    from orthrus_rag.entrypoints.commands import _embedder
+    from orthrus_rag.entrypoints.embedding import build_embedder
 
     cfg = _engine_cfg(model, dtype, threads, max_len)
     client = build_client(cfg)
     try:
-        embedder = _embedder(cfg, client, batch_size=len(texts))
+        embedder = build_embedder(cfg, client, batch_size=len(texts))
         embedder.embed_documents(texts[:32])  # warm-up (kernels, first shapes)
         start = time.perf_counter()
         vectors = embedder.embed_documents(texts)

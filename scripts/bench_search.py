@@ -72,14 +72,14 @@ def query_vectors(index_folder: Path, questions: list[str], overrides: list[str]
 
     from orthrus_rag.config.app import register_configs
     from orthrus_rag.entrypoints.clients import build_client
-    from orthrus_rag.entrypoints.commands import _embedder
+    from orthrus_rag.entrypoints.embedding import build_embedder
 
     register_configs()
     with initialize_config_module(config_module="orthrus_rag.conf", version_base=None):
         cfg = compose(config_name="config", overrides=["progress=false", *overrides])
     client = build_client(cfg)
     try:
-        embedder = _embedder(cfg, client)
+        embedder = build_embedder(cfg, client)
         manifest = store.read_manifest(index_folder / store.MANIFEST_FILE)
         diff = store.identity_diff(manifest["embedder"], embedder.identity)
         if diff:

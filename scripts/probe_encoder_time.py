@@ -33,7 +33,7 @@ def main() -> int:
 
     from orthrus_rag.engine.executor.runner import ModelRunner
     from orthrus_rag.entrypoints.clients import build_client
-    from orthrus_rag.entrypoints.commands import _embedder
+    from orthrus_rag.entrypoints.embedding import build_embedder
     from orthrus_rag.models.bert import BertEncoder, Packing
 
     for owner, name, label in [(ModelRunner, "execute", "steps"), (BertEncoder, "forward", "encoder_forward"),
@@ -44,7 +44,7 @@ def main() -> int:
     cfg = bench._engine_cfg("minilm", args.dtype, args.threads, 512)
     client = build_client(cfg)
     try:
-        embedder = _embedder(cfg, client, batch_size=len(texts))
+        embedder = build_embedder(cfg, client, batch_size=len(texts))
         embedder.embed_documents(warm)
         TOTALS.clear()
         start = time.perf_counter()

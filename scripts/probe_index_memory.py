@@ -35,7 +35,8 @@ def main() -> int:
     from orthrus_rag.config.app import register_configs
     from orthrus_rag.data.generated_corpus import generate_passages
     from orthrus_rag.entrypoints.clients import build_client
-    from orthrus_rag.entrypoints.commands import _embedder, _index_engine
+    from orthrus_rag.entrypoints.commands import _index_engine
+    from orthrus_rag.entrypoints.embedding import build_embedder
     from orthrus_rag.memory import release_free_memory
 
     register_configs()
@@ -45,7 +46,7 @@ def main() -> int:
     client = build_client(cfg)
     print(json.dumps({"loaded_rss_gib": rss_gib()}), flush=True)
     try:
-        embedder = _embedder(cfg, client, batch_size=args.shard_size)
+        embedder = build_embedder(cfg, client, batch_size=args.shard_size)
         before: Counter = Counter()
         for shard in range(args.shards):
             texts = [p.contents for p in generate_passages(args.shard_size, 0, start=shard * args.shard_size)]

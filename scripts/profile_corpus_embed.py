@@ -75,12 +75,12 @@ def main() -> int:
     import asyncio
 
     from orthrus_rag.entrypoints.clients import build_client
-    from orthrus_rag.entrypoints.commands import _embedder
+    from orthrus_rag.entrypoints.embedding import build_embedder
 
     cfg = bench._engine_cfg(args.model, args.dtype, args.threads, args.max_len)
     client = build_client(cfg)
     try:
-        embedder = _embedder(cfg, client, batch_size=len(texts))
+        embedder = build_embedder(cfg, client, batch_size=len(texts))
         embedder.embed_documents(warm)
         seconds, prof = profiled(lambda: embedder.embed_documents(texts))
     finally:

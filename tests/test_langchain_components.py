@@ -131,3 +131,34 @@ def test_where_the_engine_is_must_be_said():
         ChatOrthrus(engine=object(), base_url="http://127.0.0.1:9/v1")
     with pytest.raises(ValueError, match="no engine"):
         ChatOrthrus(base_url=None).invoke("hi")
+
+
+def test_the_retriever_takes_documents_and_deletions_as_a_vector_store_does(local, tmp_path):
+    from langchain_core.documents import Document
+
+    from orthrus_rag.integrations.langchain.retrievers import LangChainEmbedder
+    from orthrus_rag.retrievers import DocumentError, LiveIndex
+
+    emb = OrthrusEmbeddings(engine=local)
+    retriever = OrthrusRetriever.from_texts(TEXTS, emb, titles=TITLES, k=1)
+    question = "Which composer wrote the Brandenburg Concertos?"
+    assert retriever.invoke(question)[0].metadata["title"] != "Bach"
+    bach = Document("Johann Sebastian Bach composed the Brandenburg Concertos.", id="bach",
+                    metadata={"title": "Bach"})
+    assert retriever.add_documents([bach]) == ["bach"]
+    assert retriever.invoke(question)[0].metadata["title"] == "Bach"
+    with pytest.raises(DocumentError, match="'bach' is present already"):
+        retriever.add_documents([Document("again", id="bach")])
+    assert retriever.delete(["bach"]) == ["bach"]
+    assert retriever.invoke(question)[0].metadata["title"] != "Bach"
+    assert asyncio.run(retriever.aadd_documents([bach])) == ["bach"]
+    assert asyncio.run(retriever.ainvoke(question))[0].id == "bach"
+
+    # a saved index: what LangChain adds is in its folder for the next process
+    retriever.retriever.base.save(tmp_path / "index")
+    saved = OrthrusRetriever(retriever=LiveIndex.open(tmp_path / "index", LangChainEmbedder(emb)), k=1)
+    saved.add_documents([Document("Ada Lovelace wrote the first computer program.", metadata={"id": "ada"})])
+    reopened = OrthrusRetriever(retriever=LiveIndex.open(tmp_path / "index", LangChainEmbedder(emb)), k=1)
+    assert reopened.invoke("Who wrote the first computer program?")[0].id == "ada"
+    with pytest.raises(ValueError, match="has no id"):
+        saved.add_documents([Document("no id here")])

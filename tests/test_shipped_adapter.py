@@ -107,11 +107,11 @@ def test_model_smollm2_backbone_embeds_with_the_shipped_adapter(tmp_path) -> Non
     from types import SimpleNamespace
 
     from orthrus_rag.entrypoints.checks import validate
-    from orthrus_rag.entrypoints.commands import _pooling
+    from orthrus_rag.entrypoints.embedding import pooling_of
     from tests.test_app_config import _compose
 
     cfg = _compose("model=smollm2_backbone", f"run_dir={tmp_path}")
     validate(cfg)
     assert list(cfg.model.embedding_adapters) == ["smollm2_embed"]
-    doc, query = _pooling(cfg, SimpleNamespace(embedding_space=None))
+    doc, query = pooling_of(cfg, SimpleNamespace(embedding_space=None))
     assert (doc.input_type, query.input_type, query.priority) == ("document", "query", -1)

@@ -123,6 +123,9 @@ class ServeConf:
     served_model_name: str | None = None  # the generation model's name in the API; None: model.name
     default_max_tokens: int = 512  # when a request gives no max_tokens
     log_level: str = "info"
+    # with retriever.index_dir: the index /v1/search searches and /v1/documents adds to (kept in that folder);
+    # create_index makes it there, empty, when the folder holds none
+    create_index: bool = False
 
 
 @dataclass

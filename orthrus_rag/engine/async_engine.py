@@ -65,9 +65,9 @@ class _Sink:
     """Where one request's results go: a future (embed/generate) or a queue (stream). Event-loop side only."""
 
     def __init__(self, request_id: str, queue: _Snapshots | None = None,
-                 future: asyncio.Future[Any] | None = None) -> None:
+                 future: asyncio.Future[Any] | None = None, bulk: bool = False) -> None:
         assert (queue is None) != (future is None)
-        self.request_id, self.queue, self.future = request_id, queue, future
+        self.request_id, self.queue, self.future, self.bulk = request_id, queue, future, bulk
 
     def put(self, item: Any) -> None:
         if self.queue is not None:
@@ -101,15 +101,23 @@ class _Outbox:
 
 class AsyncEngine:
     """One in-process `Engine` as an `EngineClient` (engine/clients/protocol.py): embeddings and generations from
-    every coroutine share its steps. `max_in_flight` bounds its unfinished requests (more: `EngineQueueFull`)."""
+    every coroutine share its steps. `max_in_flight` bounds its unfinished requests (more: `EngineQueueFull`).
 
-    def __init__(self, engine: Engine, max_in_flight: int = 1024) -> None:
+    Bulk requests (`priority > 0`: documents ingested while serving) are counted apart, against
+    `max_bulk_in_flight` (default: `max_in_flight`): an ingest in flight never takes a serving request's place, so
+    it never turns a serving request into a 429, and `num_in_flight` (what the server's admission reads) counts
+    serving requests only."""
+
+    def __init__(self, engine: Engine, max_in_flight: int = 1024, max_bulk_in_flight: int | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        if max_bulk_in_flight is not None and max_bulk_in_flight < 1:
+            raise ValueError(f"max_bulk_in_flight must be at least 1, got {max_bulk_in_flight}")
         self._engine = engine
         self.name = f"engine ({engine.config.scheduler.policy})"
         self.tokenizer = engine.tokenizer
         self.max_in_flight = max_in_flight
+        self.max_bulk_in_flight = max_bulk_in_flight or max_in_flight
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -117,6 +125,7 @@ class AsyncEngine:
         self._closed = False
         self._sync_lock = threading.Lock()  # embed_sync on the sync engine, before the loop thread owns it
         self._num_in_flight = 0  # event-loop side: submitted and not yet finished/failed
+        self._num_bulk_in_flight = 0  # the same, of bulk requests (priority > 0), which _num_in_flight leaves out
         self._ids = itertools.count()
         # engine-thread side
         self._loop_core = EngineLoop(engine)
@@ -135,7 +144,12 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
+        """Serving requests submitted and unfinished (bulk ones are `num_bulk_in_flight`)."""
         return self._num_in_flight
+
+    @property
+    def num_bulk_in_flight(self) -> int:
+        return self._num_bulk_in_flight
 
     @property
     def embedding_space(self) -> EmbeddingSpace:
@@ -269,11 +283,19 @@ class AsyncEngine:
         if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
-        if self._num_in_flight >= self.max_in_flight:
+        bulk = getattr(params, "priority", 0) > 0
+        if bulk and self._num_bulk_in_flight >= self.max_bulk_in_flight:
+            raise EngineQueueFull(f"{self._num_bulk_in_flight} bulk requests are pending; the limit is "
+                                  f"{self.max_bulk_in_flight}")
+        if not bulk and self._num_in_flight >= self.max_in_flight:
             raise EngineQueueFull(f"{self._num_in_flight} requests are pending; the limit is {self.max_in_flight}")
         rid = request_id or f"async-{kind.value}-{next(self._ids)}"
-        sink = _Sink(rid, queue=_Snapshots()) if stream else _Sink(rid, future=self._loop.create_future())
-        self._num_in_flight += 1
+        sink = (_Sink(rid, queue=_Snapshots(), bulk=bulk) if stream
+                else _Sink(rid, future=self._loop.create_future(), bulk=bulk))
+        if bulk:
+            self._num_bulk_in_flight += 1
+        else:
+            self._num_in_flight += 1
         self._commands.put(("add", kind, rid, input, params, stream, sink))
         return sink
 
@@ -288,7 +310,10 @@ class AsyncEngine:
     def _deliver(self, batch: list[tuple[_Sink, Any, bool]]) -> None:
         for sink, item, final in batch:
             sink.put(item)
-            self._num_in_flight -= int(final)
+            if sink.bulk:
+                self._num_bulk_in_flight -= int(final)
+            else:
+                self._num_in_flight -= int(final)
 
     # ---- engine thread: a thin shell around the one EngineLoop -----------------------------------------------
     def _run(self) -> None:

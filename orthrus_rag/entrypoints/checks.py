@@ -44,7 +44,7 @@ def validate(cfg: Any) -> None:
     owned("retriever", lambda: check_kind(r.kind))
     owned("retriever", lambda: sparse_settings(r))
     _check_corpus(cfg.corpus)
-    if r.index_dir is not None and not Path(r.index_dir).is_dir():
+    if r.index_dir is not None and not Path(r.index_dir).is_dir() and not cfg.serve.create_index:
         raise ValueError(f"retriever.index_dir: no such folder: {r.index_dir}")
     _choice(p.name, PIPELINES, "pipeline")
     owned("retriever", lambda: check_settings(k=r.k), keyed=True)

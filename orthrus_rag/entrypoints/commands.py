@@ -11,6 +11,7 @@ from typing import Any
 
 from orthrus_rag.entrypoints.checks import validate
 from orthrus_rag.entrypoints.clients import build_client
+from orthrus_rag.entrypoints.embedding import build_embedder, on_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -25,29 +26,6 @@ def load_examples(cfg: Any) -> list:
     return load_qa(d.name, path=d.path, hub_id=d.hub_id, split=d.split, limit=d.limit)
 
 
-def _on_encoder(cfg: Any) -> bool:
-    """Whether the retriever embeds on the separate encoder (one is loaded and no backbone adapter is asked for)."""
-    return cfg.model.embedding_model is not None and cfg.retriever.adapter is None
-
-
-def _pooling(cfg: Any, client: Any) -> tuple[Any, Any]:
-    """Document and query pooling: the encoder's own pooling, or the configured one on the backbone."""
-    from orthrus_rag.params import PoolingParams
-
-    adapter = cfg.retriever.adapter
-    if _on_encoder(cfg):
-        base = dict(client.embedding_space.encoder_pooling)
-    else:
-        base = {"pooling": cfg.retriever.pooling, "normalize": True}
-    # NOTE: corpora hold passages longer than an encoder's window; cut them as sentence-transformers does.
-    # A query is what the next hop of a chain waits on: latency-critical (priority < 0) for the orthrus policy
-    # An adapter whose card names query / document prefixes gets them by input type (EmbeddingSpace.formatted);
-    # retriever.query_instruction, when set, replaces the query's
-    return (PoolingParams(**base, truncate=True, adapter=adapter, input_type="document"),
-            PoolingParams(**base, instruction=cfg.retriever.query_instruction, truncate=True, priority=-1,
-                          adapter=adapter, input_type="query"))
-
-
 def build_retriever(cfg: Any, client: Any, examples: list, index_dir: Path | None,
                     reuse: bool = False):  # -> Retriever (retrievers/kinds.py)
     """The configured retriever (`retriever.kind`: dense, bm25 or hybrid): `retriever.index_dir` opened; else
@@ -58,7 +36,7 @@ def build_retriever(cfg: Any, client: Any, examples: list, index_dir: Path | Non
     from orthrus_rag.retrievers.kinds import build_in_memory, open_retriever
 
     r = cfg.retriever
-    embedder = _embedder(cfg, client) if r.kind != "bm25" else None
+    embedder = build_embedder(cfg, client) if r.kind != "bm25" else None
     settings = sparse_settings(r)
     if r.index_dir is not None:
         logger.info("opening the %s index in %s", r.kind, r.index_dir)
@@ -95,13 +73,6 @@ def _dense_in_memory(cfg: Any, embedder: Any, corpus: list, index_dir: Path | No
     if index_dir is not None:
         retriever.save(index_dir)
     return retriever
-
-
-def _embedder(cfg: Any, client: Any, batch_size: int = 256):  # -> EngineEmbedder
-    from orthrus_rag.retrievers import EngineEmbedder
-
-    doc, query = _pooling(cfg, client)
-    return EngineEmbedder(client, doc, query, batch_size=batch_size)
 
 
 def _build_index(cfg: Any, client: Any, embedder: Any, examples: list | None, folder: Path):  # -> BuildReport
@@ -150,7 +121,7 @@ def _index_engine(cfg: Any) -> None:
     s.max_num_batched_tokens = max(s.max_num_batched_tokens, INDEX_STEP_TOKENS)
     s.max_num_seqs = max(s.max_num_seqs, INDEX_STEP_SEQS)
     if c.num_blocks is None:
-        c.num_blocks = 1 if _on_encoder(cfg) or cfg.retriever.kind == "bm25" else -(-INDEX_KV_TOKENS // c.block_size)
+        c.num_blocks = 1 if on_encoder(cfg) or cfg.retriever.kind == "bm25" else -(-INDEX_KV_TOKENS // c.block_size)
 
 
 def index(cfg: Any) -> Path:
@@ -174,7 +145,7 @@ def index(cfg: Any) -> Path:
     client = build_client(cfg)
     try:
         # NOTE: a shard is one batch: the engine's steps are embedding-only and full while it builds
-        embedder = (_embedder(cfg, client, batch_size=cfg.retriever.shard_size)
+        embedder = (build_embedder(cfg, client, batch_size=cfg.retriever.shard_size)
                     if cfg.retriever.kind != "bm25" else None)
         report = _build_index(cfg, client, embedder, None, out)
     finally:

@@ -13,21 +13,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.entrypoints.openai import generation
+from orthrus_rag.entrypoints.openai.documents import Documents, add_document_routes
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
 from orthrus_rag.entrypoints.openai.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard,
                                          ModelList)
 from orthrus_rag.entrypoints.openai.service import OpenAIService
+from orthrus_rag.retrievers.live_index import LiveIndex
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a body past this is refused (413) before it is parsed
 
 
 def build_app(client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
-              default_max_tokens: int = 512) -> FastAPI:
+              default_max_tokens: int = 512, index: LiveIndex | None = None) -> FastAPI:
     """An app serving `client` (an `AsyncEngine` in `orthrus-rag serve`). With `api_key`, /v1/* answers 401
     unless `Authorization: Bearer <api_key>`. The app closes the client when it stops (an AsyncEngine's caller
-    keeps the sync Engine)."""
+    keeps the sync Engine). `index`: what /v1/search searches and /v1/documents adds to (documents.py)."""
     engine = getattr(client, "engine", None)  # in-process: the KV gauges read its block manager
     metrics = ServerMetrics(client, pending=lambda: client.num_in_flight,
                             block_manager=getattr(engine, "block_manager", None))
@@ -47,7 +49,9 @@ def build_app(client: EngineClient, served_model_name: str | None = None, api_ke
     install_error_handlers(app)
     app.add_middleware(_BodyLimit)
     app.add_middleware(_CountRequests, metrics=metrics)  # NOTE: outermost, so 413s and 400s are counted too
-    _add_routes(app, service, metrics, [Depends(_authorizer(api_key))])
+    v1 = [Depends(_authorizer(api_key))]
+    _add_routes(app, service, metrics, v1)
+    add_document_routes(app, Documents(index, service), v1)
     return app
 
 

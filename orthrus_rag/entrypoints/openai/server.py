@@ -40,8 +40,42 @@ def serve(cfg: Any) -> None:
     if cfg.deploy.mode == "ray":
         _serve_on_ray(cfg)
         return
-    app = build_app(build_client(cfg), s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens)
+    _check_index(cfg)
+    client = build_client(cfg)
+    app = build_app(client, s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens,
+                    index=open_live_index(cfg, client))
     uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level)
+
+
+def _check_index(cfg: Any) -> None:
+    """Before any model loads."""
+    r = cfg.retriever
+    if r.index_dir is None and cfg.serve.create_index:
+        raise ValueError("serve.create_index=true needs retriever.index_dir=<folder> to make the index in")
+    if r.index_dir is not None and r.kind != "dense":
+        raise ValueError(f"a server's index is dense (FAISS) only, so that it can take documents while it serves "
+                         f"(bm25s indexes take no adds); got retriever.kind={r.kind}")
+
+
+def open_live_index(cfg: Any, client: EngineClient):  # -> LiveIndex | None
+    """The index a server searches and ingests into: `retriever.index_dir` (with `serve.create_index`, made there
+    empty when the folder holds none), or None (no `retriever.index_dir`: the document routes answer 404)."""
+    from pathlib import Path
+
+    from orthrus_rag.entrypoints.embedding import build_embedder
+    from orthrus_rag.retrievers.live_index import LiveIndex
+    from orthrus_rag.retrievers.store import MANIFEST_FILE
+
+    _check_index(cfg)
+    r = cfg.retriever
+    if r.index_dir is None:
+        return None
+    embedder = build_embedder(cfg, client)
+    folder = Path(r.index_dir)
+    if not (folder / MANIFEST_FILE).is_file() and cfg.serve.create_index:
+        logger.info("making an empty index in %s", folder)
+        return LiveIndex.create(folder, embedder)
+    return LiveIndex.open(folder, embedder, search={"nprobe": r.nprobe, "ef_search": r.ef_search})
 
 
 def _serve_on_ray(cfg: Any) -> None:

@@ -14,7 +14,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
 from orthrus_rag.data.types import Passage
-from orthrus_rag.retrievers import DenseRetriever
+from orthrus_rag.retrievers import DenseRetriever, LiveIndex
 
 
 class LangChainEmbedder:
@@ -44,6 +44,19 @@ def _matrix(rows: Sequence[Sequence[float]]) -> np.ndarray:
     return np.asarray(rows, dtype=np.float32).reshape(len(rows), -1)
 
 
+def _passages(documents: Sequence[Document], ids: Sequence[str] | None) -> list[Passage]:
+    documents = list(documents)
+    if ids is not None and len(ids) != len(documents):
+        raise ValueError(f"{len(ids)} ids for {len(documents)} documents")
+    passages = []
+    for i, doc in enumerate(documents):
+        doc_id = ids[i] if ids is not None else (doc.id or doc.metadata.get("id"))
+        if doc_id is None:
+            raise ValueError(f"documents[{i}] has no id: give it one (Document(id=...) or ids=[...])")
+        passages.append(Passage(str(doc_id), str(doc.metadata.get("title", "")), doc.page_content))
+    return passages
+
+
 def _document(passage: Passage, score: float) -> Document:
     return Document(page_content=passage.text, id=passage.id,
                     metadata={"id": passage.id, "title": passage.title, "score": score})
@@ -55,7 +68,12 @@ class OrthrusRetriever(BaseRetriever):
     ```python
     retriever = OrthrusRetriever.from_texts(texts, OrthrusEmbeddings(engine=engine), k=3)
     chain = {"context": retriever, "question": RunnablePassthrough()} | prompt | ChatOrthrus(engine=engine)
+    retriever.add_documents([Document("...", id="doc-7", metadata={"title": "..."})])   # searchable at once
+    retriever.delete(["doc-7"])
     ```
+    Over a `LiveIndex` (what `from_texts` / `from_passages` build, in memory; `LiveIndex.open(folder, embedder)`
+    for a saved index, whose adds and deletes are kept in its folder) it takes documents and deletions as a
+    LangChain vector store does (`add_documents`, `delete`, and their async forms).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -71,7 +89,7 @@ class OrthrusRetriever(BaseRetriever):
                       index_type: str = "flat", **retriever_kwargs: Any) -> "OrthrusRetriever":
         dense = DenseRetriever(LangChainEmbedder(embeddings), index_type=index_type, **retriever_kwargs)
         dense.build(list(passages))
-        return cls(retriever=dense, k=k)
+        return cls(retriever=LiveIndex.in_memory(dense), k=k)
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], embeddings: Embeddings, titles: Sequence[str] | None = None,
@@ -81,6 +99,33 @@ class OrthrusRetriever(BaseRetriever):
             raise ValueError(f"{len(titles)} titles for {len(texts)} texts")
         passages = [Passage(str(i), title, text) for i, (title, text) in enumerate(zip(titles, texts))]
         return cls.from_passages(passages, embeddings, k=k, **kwargs)
+
+    def add_documents(self, documents: Sequence[Document], ids: Sequence[str] | None = None,
+                      truncate: bool = False) -> list[str]:
+        """Embed and add `documents` (id: `ids`, else the document's `id`, else `metadata["id"]`; title:
+        `metadata["title"]`); searchable when this returns. A batch with an empty document, a repeated id or one
+        present already is refused whole (`DocumentError`, a ValueError naming each)."""
+        return self._live().add(_passages(documents, ids), truncate=truncate)
+
+    async def aadd_documents(self, documents: Sequence[Document], ids: Sequence[str] | None = None,
+                             truncate: bool = False) -> list[str]:
+        return await self._live().aadd(_passages(documents, ids), truncate=truncate)
+
+    def delete(self, ids: Sequence[str]) -> list[str]:
+        """Remove the documents of `ids` (refused whole, naming them, when any is not present)."""
+        return self._live().delete(list(ids))
+
+    async def adelete(self, ids: Sequence[str]) -> list[str]:
+        import asyncio
+
+        return await asyncio.to_thread(self._live().delete, list(ids))
+
+    def _live(self) -> LiveIndex:
+        if not isinstance(self.retriever, LiveIndex):
+            raise TypeError(f"adding or deleting documents needs a LiveIndex (from_texts / from_passages build one; "
+                            f"LiveIndex.open(folder, embedder) opens a saved index); this retriever is a "
+                            f"{type(self.retriever).__name__}")
+        return self.retriever
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 **kwargs: Any) -> list[Document]:
