@@ -129,6 +129,20 @@ class ServeConf:
 
 
 @dataclass
+class IngestConf:
+    """`orthrus-rag run ingest.path=F`: documents of a FlashRAG JSONL file added to the run's dense index while its
+    questions are answered, as bulk work in the same engine steps (entrypoints/ingest.py)."""
+
+    path: str | None = None  # None: no ingest
+    id_field: str | None = None  # the record fields, as corpus=jsonl's
+    title_field: str | None = None
+    text_field: str | None = None
+    limit: int | None = None  # the first N documents
+    batch_size: int = 256  # documents embedded and added together (each batch lands, durably, as one)
+    truncate: bool = True  # cut a document longer than the embedding model's window (as index builds do)
+
+
+@dataclass
 class AppConf:
     dataset: DatasetConf = field(default_factory=DatasetConf)
     corpus: CorpusConf = field(default_factory=CorpusConf)
@@ -139,6 +153,7 @@ class AppConf:
     retriever: RetrieverConf = field(default_factory=RetrieverConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
     serve: ServeConf = field(default_factory=ServeConf)
+    ingest: IngestConf = field(default_factory=IngestConf)
     # the run's folder (records.jsonl, summary.json, config.yaml, steps.jsonl, index/); a multirun: the sweep's
     # folder, one subfolder per job
     run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"

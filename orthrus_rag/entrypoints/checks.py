@@ -69,6 +69,22 @@ def validate(cfg: Any) -> None:
     _check_request_params(cfg)
     _check_run_settings(cfg)
     _check_serve(cfg.serve)
+    _check_ingest(cfg)
+
+
+def _check_ingest(cfg: Any) -> None:
+    i = cfg.ingest
+    if i.path is None:
+        return
+    if not Path(i.path).is_file():
+        raise ValueError(f"ingest.path: no such file: {i.path}")
+    if i.batch_size < 1:
+        raise ValueError(f"ingest.batch_size must be at least 1, got {i.batch_size}")
+    if cfg.retriever.kind != "dense":
+        raise ValueError(f"ingest.path adds documents to a dense index; retriever.kind={cfg.retriever.kind} "
+                         "cannot take adds (bm25s indexes are built once)")
+    if cfg.pipeline.name == "no_retrieval":
+        raise ValueError("ingest.path adds documents to the run's index, and pipeline=no_retrieval has none")
 
 
 def sparse_settings(r: Any):  # -> SparseSettings

@@ -261,6 +261,13 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     if cfg.pipeline.name != "no_retrieval":
         # NOTE: built before the async loop starts, so the corpus embeds with blocking calls
         retriever = build_retriever(cfg, client, examples, session.folder / "index", reuse=cfg.resume is not None)
+    report = None
+    if cfg.ingest.path is not None:
+        from orthrus_rag.entrypoints.ingest import IngestReport, as_live
+
+        # NOTE: adds land in the index's own folder: retriever.index_dir, else the run's index/
+        retriever = as_live(retriever, Path(cfg.retriever.index_dir or session.folder / "index"))
+        report = IngestReport()
     pipeline = build_pipeline(cfg, client, retriever)
     session.labels = run_labels(cfg, client, pipeline.max_concurrency)
     # NOTE: None (no step rows) where the steps run in other processes
@@ -268,12 +275,28 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     session.begin()
 
     async def answer() -> None:
+        ingesting = None
+        if report is not None:
+            from orthrus_rag.entrypoints.ingest import ingest, ingest_passages
+
+            i = cfg.ingest
+            ingesting = asyncio.ensure_future(ingest(retriever, ingest_passages(i), i.batch_size, i.truncate, report))
         try:
             async with contextlib.aclosing(pipeline.stream(remaining)) as records:
                 with session.progress():
                     async for rec in records:
                         session.record(rec)
+            if ingesting is not None:
+                if not ingesting.done():
+                    logger.info("the questions are answered; waiting for the ingest (%d documents added)",
+                                report.added)
+                await ingesting
         finally:
+            if ingesting is not None and not ingesting.done():
+                ingesting.cancel()
+                with contextlib.suppress(BaseException):
+                    await ingesting
+            session.ingest = report.to_dict() if report is not None else None
             await closing.aclose()
 
     asyncio.run(answer())

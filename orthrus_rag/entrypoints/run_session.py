@@ -48,6 +48,7 @@ class RunSession:
         self.started = time.perf_counter()
         self.started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.labels: dict[str, Any] = {}  # what the run is (policy, retriever, dataset...): set by the app
+        self.ingest: dict[str, Any] | None = None  # documents added while it ran (ingest.path): set by the app
         self._set_aside: tuple[list[QARecord], list[QARecord]] | None = None  # (asked again, kept), on resume
         self._bar: Any = None
         if cfg.resume is None:
@@ -179,6 +180,8 @@ class RunSession:
             summary["engine"] = self.steps.summary()
         summary["sessions"] = sessions
         summary["config"] = self.labels
+        if self.ingest is not None:
+            summary["ingest"] = self.ingest
         return summary
 
     def _sessions(self) -> list[dict[str, Any]]:
