@@ -23,7 +23,7 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -55,6 +55,10 @@ STATE_FILE = "build.json"
 VECTORS_DIR = "vectors"
 BLOCKS_DIR = "ivf_blocks"
 IVF_DATA = "lists.ivfdata"
+
+
+# given the passages done, each later shard's passages and vectors (None: BM25 only), in corpus order
+EmbeddedShards = Callable[[int], Iterator[tuple[list[Passage], Any]]]
 
 
 @dataclass
@@ -119,8 +123,13 @@ class IndexBuilder:
             f.write(json.dumps(state, indent=1, sort_keys=True) + "\n")
 
     # ---- build --------------------------------------------------------------------------------------------------
-    def build(self, passages: Iterable[Passage], total: int | None = None) -> BuildReport:
-        """Embed what is not embedded yet, then (re)build the index (open it with retrievers/kinds.py)."""
+    def build(self, passages: Iterable[Passage] | None, total: int | None = None,
+              embedded: EmbeddedShards | None = None) -> BuildReport:
+        """Embed what is not embedded yet, then (re)build the index (open it with retrievers/kinds.py).
+
+        `embedded`: where the shards come from embedded already (a Ray Data pipeline, entrypoints/ray/): called
+        with the number of passages done, it yields each later shard's passages (`shard_size` of them, the last
+        fewer) and their vectors, in corpus order; `passages` is then unused."""
         for sub in (store.PASSAGES_DIR, VECTORS_DIR):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
         state = self._read_state()
@@ -128,20 +137,20 @@ class IndexBuilder:
         skip = sum(done)
         if done:
             logger.info("resuming: %d shards (%d passages) are embedded already", len(done), skip)
-        stream = iter(passages)
-        skipped = sum(1 for _ in islice(stream, skip))
-        if skipped < skip:
-            raise ValueError(f"the corpus now holds {skipped} passages, fewer than the {skip} a previous build of "
-                             f"{self.folder} embedded: it changed; remove the folder to build from scratch")
+        shards = embedded(skip) if embedded is not None else self._embedded_here(iter(passages or ()), skip)
         embed_s = 0.0
         quiet = not self.progress or not sys.stderr.isatty()
         with tqdm(total=total, initial=skip, desc="indexing", unit="passage", disable=quiet, smoothing=0.1) as bar:
-            for chunk in _chunks(stream, self.shard_size):
+            while True:
+                started = time.perf_counter()
+                item = next(shards, None)
+                if item is None:
+                    break
+                embed_s += time.perf_counter() - started
+                chunk, vectors = item
                 number = len(state["shards"])
-                if self.embedder is not None:
-                    started = time.perf_counter()
-                    vectors = self._embed(chunk)
-                    embed_s += time.perf_counter() - started
+                if vectors is not None:
+                    vectors = self._checked(vectors, len(chunk))
                     with atomic_write(self.folder / VECTORS_DIR / _vector_name(number)) as f:
                         np.save(f, vectors)
                     state["dimension"] = int(vectors.shape[1])
@@ -163,11 +172,24 @@ class IndexBuilder:
                     report.num_passages, report.num_shards, report.passages_per_s, report.index_seconds)
         return report
 
+    def _embedded_here(self, stream: Iterator[Passage], skip: int) -> Iterator[tuple[list[Passage], Any]]:
+        """The corpus past its first `skip` passages, a shard at a time, embedded in this process."""
+        skipped = sum(1 for _ in islice(stream, skip))
+        if skipped < skip:
+            raise ValueError(f"the corpus now holds {skipped} passages, fewer than the {skip} a previous build of "
+                             f"{self.folder} embedded: it changed; remove the folder to build from scratch")
+        for chunk in _chunks(stream, self.shard_size):
+            yield chunk, (self._embed(chunk) if self.embedder is not None else None)
+
     def _embed(self, chunk: list[Passage]) -> np.ndarray:
         assert self.embedder is not None
-        vectors = np.asarray(self.embedder.embed_documents([p.contents for p in chunk]), dtype=np.float32)
-        if vectors.ndim != 2 or vectors.shape[0] != len(chunk):
-            raise ValueError(f"embed_documents returned shape {vectors.shape} for {len(chunk)} texts")
+        return np.asarray(self.embedder.embed_documents([p.contents for p in chunk]), dtype=np.float32)
+
+    def _checked(self, vectors: Any, n: int) -> np.ndarray:
+        assert self.embedder is not None
+        vectors = np.asarray(vectors, dtype=np.float32)
+        if vectors.ndim != 2 or vectors.shape[0] != n:
+            raise ValueError(f"embed_documents returned shape {vectors.shape} for {n} texts")
         expected = self.embedder.identity.get("dimension")
         if expected is not None and int(expected) != vectors.shape[1]:
             raise ValueError(f"embedder identity says dimension {expected} but it returned {vectors.shape[1]}")

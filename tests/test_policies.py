@@ -267,6 +267,36 @@ def test_bulk_waits_while_serving_work_fills_every_step():
     assert doc in out.encoder
 
 
+@pytest.mark.parametrize("kind", ["embed", "encoder"])
+def test_bulk_step_tokens_bounds_bulk_beside_serving_work_only(kind):
+    """With `bulk_step_tokens`, a step that carries serving work takes at most that much bulk work (the first
+    encoder input may overdraw it, as a lane's first may); a step without serving work gives bulk all of it."""
+    def bulk_cost(out) -> float:
+        return sum(s.num_new_tokens for s in out.scheduled if s.req.is_bulk) + sum(
+            r.num_tokens * 0.25 for r in out.encoder if r.is_bulk)
+
+    capped, free = _engine("orthrus", min_share=0.1), _engine("orthrus", min_share=0.1)
+    for eng in (capped, free):
+        eng.scheduler.config.bulk_step_tokens = 8 if eng is capped else None
+        for i in range(3):
+            eng.add(make_request(f"g{i}", "generate", 4, max_tokens=30))
+        for i in range(100):
+            eng.add(_bulk(make_request(f"b{i}", kind, 40)))
+    for _ in range(5):
+        a, b = capped.step(), free.step()
+        assert _serving_tokens(a) == _serving_tokens(b) and any(not s.req.is_bulk for s in a.scheduled)
+        assert bulk_cost(a) <= (8 if kind == "embed" else 10) < bulk_cost(b)
+    while any(not r.is_bulk for r in capped.scheduler.running + list(capped.scheduler.waiting)):
+        capped.step()
+    out = capped.step()  # only bulk left: the whole budget
+    assert bulk_cost(out) > 8 and not _serving_tokens(out)
+
+
+def test_bulk_step_tokens_is_checked():
+    with pytest.raises(ValueError, match="bulk_step_tokens"):
+        SchedulerConfig(bulk_step_tokens=0)
+
+
 def test_bulk_is_not_a_pending_kind_and_puts_no_target_at_risk():
     """The policies never see bulk: no share of a split, no reserved sequence slot, no latency target at risk from
     an old bulk arrival."""

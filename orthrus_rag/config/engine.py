@@ -171,6 +171,10 @@ class SchedulerConfig:
     step_time_target: float | None = None
     step_time_margin: float = 1.0
     min_step_tokens: int = 32
+    # bulk work (priority > 0: documents ingested while serving) beside serving work in a step: at most this many
+    # budget tokens of it (the first bulk encoder input may overdraw it, as a lane's first may); None: all the
+    # budget serving leaves. A step without serving work gives bulk the whole budget either way.
+    bulk_step_tokens: int | None = None
     slo: SloConfig = field(default_factory=SloConfig)  # per-kind latency targets (orthrus policy)
 
     def __post_init__(self) -> None:
@@ -182,6 +186,8 @@ class SchedulerConfig:
             raise ValueError("encoder_token_weight must be positive")
         if self.step_time_target is not None and not self.step_time_target > 0:
             raise ValueError(f"step_time_target must be a positive number of seconds, got {self.step_time_target}")
+        if self.bulk_step_tokens is not None and self.bulk_step_tokens < 1:
+            raise ValueError(f"bulk_step_tokens must be at least 1 (or None), got {self.bulk_step_tokens}")
         if not self.step_time_margin >= 0 or self.min_step_tokens < 1:
             raise ValueError("step_time_margin must be >= 0 and min_step_tokens >= 1")
         if not 0.0 <= self.min_share <= 0.5:

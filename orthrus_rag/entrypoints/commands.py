@@ -78,7 +78,25 @@ def _dense_in_memory(cfg: Any, embedder: Any, corpus: list, index_dir: Path | No
 def _build_index(cfg: Any, client: Any, embedder: Any, examples: list | None, folder: Path):  # -> BuildReport
     """The configured corpus through the resumable, sharded `IndexBuilder` into `folder` (no embedder: BM25
     only)."""
-    from orthrus_rag.data.corpus import corpus_identity, count_passages, iter_corpus
+    from orthrus_rag.data.corpus import count_passages, iter_corpus
+
+    tokenizer = getattr(client, "tokenizer", None)
+    count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
+    builder = _builder(cfg, embedder, folder)
+    return builder.build(iter_corpus(cfg.corpus, lambda: _contexts(cfg, examples), count),
+                         total=count_passages(cfg.corpus))
+
+
+def _contexts(cfg: Any, examples: list | None) -> list:
+    """`corpus=contexts`: the dataset's own paragraphs."""
+    from orthrus_rag.data import build_corpus
+
+    return build_corpus(examples if examples is not None else load_examples(cfg))
+
+
+def _builder(cfg: Any, embedder: Any, folder: Path):  # -> IndexBuilder
+    """The configured index's builder into `folder` (`embedder` None: BM25 only)."""
+    from orthrus_rag.data.corpus import corpus_identity
     from orthrus_rag.entrypoints.checks import sparse_settings
     from orthrus_rag.retrievers.faiss_index import IndexSpec
     from orthrus_rag.retrievers.index_build import IndexBuilder
@@ -86,18 +104,9 @@ def _build_index(cfg: Any, client: Any, embedder: Any, examples: list | None, fo
     r = cfg.retriever
     spec = IndexSpec(r.index_type, nlist=r.nlist, nprobe=r.nprobe, hnsw_m=r.hnsw_m, ef_search=r.ef_search,
                      factory=r.factory, train_size=r.train_size)
-
-    def contexts() -> list:
-        from orthrus_rag.data import build_corpus
-
-        return build_corpus(examples if examples is not None else load_examples(cfg))
-
-    tokenizer = getattr(client, "tokenizer", None)
-    count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
     sparse = sparse_settings(r).bm25() if r.kind != "dense" else None
-    builder = IndexBuilder(folder, embedder, spec, corpus_identity(cfg.corpus), shard_size=r.shard_size,
-                           on_disk=r.on_disk, seed=cfg.seed, progress=cfg.progress, sparse=sparse)
-    return builder.build(iter_corpus(cfg.corpus, contexts, count), total=count_passages(cfg.corpus))
+    return IndexBuilder(folder, embedder, spec, corpus_identity(cfg.corpus), shard_size=r.shard_size,
+                        on_disk=r.on_disk, seed=cfg.seed, progress=cfg.progress, sparse=sparse)
 
 
 # an index build's steps carry embeddings only: no decode's latency to protect, so they are as large as a serving
@@ -142,19 +151,45 @@ def index(cfg: Any) -> Path:
     if not (folder / CONFIG).is_file():
         (folder / CONFIG).write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
     out = folder / "index"
-    client = build_client(cfg)
-    try:
-        # NOTE: a shard is one batch: the engine's steps are embedding-only and full while it builds
-        embedder = (build_embedder(cfg, client, batch_size=cfg.retriever.shard_size)
-                    if cfg.retriever.kind != "bm25" else None)
-        report = _build_index(cfg, client, embedder, None, out)
-    finally:
-        asyncio.run(client.aclose())
+    if cfg.deploy.mode == "ray":
+        report = _build_on_ray(cfg, out)
+    else:
+        report = _build_here(cfg, out)
     with atomic_write(folder / CONFIG, "w") as f:  # NOTE: what built the folder last, for the next bare resume=
         f.write(OmegaConf.to_yaml(cfg))
     logger.info("index of %d passages saved to %s (%d shards, %d resumed; %.1f passages/s)", report.num_passages,
                 out, report.num_shards, report.resumed_shards, report.passages_per_s)
     return out
+
+
+def _build_on_ray(cfg: Any, out: Path):  # -> BuildReport
+    """The corpus read by Ray Data and embedded by an actor pool of engines (entrypoints/ray/index_build.py)."""
+    from orthrus_rag.entrypoints.ray.index_build import build_on_ray
+
+    if cfg.retriever.kind == "bm25":
+        raise ValueError("deploy=ray embeds on a pool of engines; retriever.kind=bm25 embeds nothing (build it "
+                         "without deploy=ray)")
+    count = None
+    if cfg.corpus.kind == "files":  # NOTE: the splitter counts the generation model's tokens, as a local build
+        from orthrus_rag.engine.clients.deployment_client import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.name)
+        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    from orthrus_rag.data.corpus import count_passages
+
+    return build_on_ray(cfg, lambda embedder: _builder(cfg, embedder, out), lambda: _contexts(cfg, None), count,
+                        count_passages(cfg.corpus))
+
+
+def _build_here(cfg: Any, out: Path):  # -> BuildReport
+    client = build_client(cfg)
+    try:
+        # NOTE: a shard is one batch: the engine's steps are embedding-only and full while it builds
+        embedder = (build_embedder(cfg, client, batch_size=cfg.retriever.shard_size)
+                    if cfg.retriever.kind != "bm25" else None)
+        return _build_index(cfg, client, embedder, None, out)
+    finally:
+        asyncio.run(client.aclose())
 
 
 def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method

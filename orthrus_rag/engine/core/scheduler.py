@@ -286,9 +286,12 @@ class Scheduler(SchedulerQueues):
         for lane in self.policy.lanes(self, self._budget_left(out)):
             self._fill([r for r in lane.candidates if allowed[r.is_embed]], lane.cap, out)
         self._fill([r for r in self.policy.fallback(self) if allowed[r.is_embed]], None, out)
-        # 3. bulk work (priority > 0: an ingest while serving) on what is still left
+        # 3. bulk work (priority > 0: an ingest while serving) on what is still left; beside serving work, at most
+        # `bulk_step_tokens` of it (a step's time grows with its tokens, so the leftover budget is not free)
         if not self._admission_blocked:  # NOTE: else a small bulk request would take blocks a waiting one needs
-            self._fill([r for r in self.pending_bulk() if allowed[r.is_embed]], None, out)
+            serving = any(not s.req.is_bulk for s in out.scheduled) or any(not r.is_bulk for r in out.encoder)
+            self._fill([r for r in self.pending_bulk() if allowed[r.is_embed]],
+                       cfg.bulk_step_tokens if serving else None, out)
         if self.targets is not None:
             out.embed_at_risk, out.generate_at_risk = self.at_risk(embed=True), self.at_risk(embed=False)
         if self.cost_model is not None:

@@ -1,0 +1,100 @@
+"""`orthrus-rag index deploy=ray`: a local Ray with 2 engine actors builds the same index as one process (the same
+shards and passages, vectors equal within fp32's tolerance, the same top-5), and a killed Ray build resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orthrus_rag.entrypoints import commands as app
+from tests.test_app_config import _compose
+
+pytestmark = pytest.mark.slow  # starts Ray and two engines
+
+TOPICS = ["river", "mountain", "composer", "planet", "novel", "painter", "city", "bridge", "island", "desert"]
+COMMON = ["corpus=jsonl", "retriever.shard_size=16", "model.dtype=float32", "model.linear_kernel=dense",
+          "progress=false", "seed=0"]
+
+
+def _corpus(path: Path, n: int = 70) -> Path:
+    rows = [{"id": f"p{i}", "contents": f"Title {i}\nPassage {i} is about the {TOPICS[i % 10]} number {i // 10}."}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _vectors(index: Path) -> np.ndarray:
+    return np.concatenate([np.load(p) for p in sorted((index / "vectors").glob("shard-*.npy"))])
+
+
+def _state(index: Path) -> list:
+    return json.loads((index / "build.json").read_text())["shards"]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ray_index")
+    corpus = _corpus(tmp / "corpus.jsonl")
+    local = app.index(_compose(*COMMON, f"corpus.path={corpus}", f"run_dir={tmp / 'local'}"))
+    ray = app.index(_compose(*COMMON, f"corpus.path={corpus}", f"run_dir={tmp / 'ray'}", "deploy=ray",
+                             "deploy.replicas=2", "deploy.num_threads=1", "deploy.ray_num_cpus=2"))
+    return corpus, local, ray
+
+
+def test_two_ray_actors_build_the_index_one_process_builds(builds) -> None:
+    corpus, local, ray = builds
+    assert _state(ray) == _state(local) and len(_state(ray)) == 5  # 70 passages in shards of 16
+    np.testing.assert_allclose(_vectors(ray), _vectors(local), atol=1e-5, rtol=0)
+    assert json.loads((ray / "manifest.json").read_text())["embedder"] == \
+        json.loads((local / "manifest.json").read_text())["embedder"]
+
+    from orthrus_rag.engine.async_engine import AsyncEngine
+    from orthrus_rag.engine.engine import Engine
+    from orthrus_rag.config.build import engine_config_from
+    from orthrus_rag.entrypoints.embedding import build_embedder
+    from orthrus_rag.retrievers import DenseRetriever
+
+    cfg = _compose(*COMMON, f"corpus.path={corpus}")
+    client = AsyncEngine(Engine.from_config(engine_config_from(cfg)))
+    try:
+        embedder = build_embedder(cfg, client)
+        a, b = DenseRetriever.load(local, embedder), DenseRetriever.load(ray, embedder)
+        for topic in TOPICS:
+            query = f"Which passage is about the {topic}?"
+            assert [p.id for p, _ in a.search(query, 5)] == [p.id for p, _ in b.search(query, 5)]
+    finally:
+        import asyncio
+
+        asyncio.run(client.aclose())
+
+
+def test_a_ray_build_resumes_from_its_last_finished_shard(builds, tmp_path: Path) -> None:
+    corpus, local, _ = builds
+    run = tmp_path / "resumed"
+    # a build that finished 2 of 5 shards: its folder as a killed build leaves it
+    index = run / "index"
+    (index / "vectors").mkdir(parents=True)
+    (index / "passages").mkdir()
+    for name in ("shard-00000", "shard-00001"):
+        (index / "vectors" / f"{name}.npy").write_bytes((local / "vectors" / f"{name}.npy").read_bytes())
+        (index / "passages" / f"{name}.arrow").write_bytes((local / "passages" / f"{name}.arrow").read_bytes())
+    state = json.loads((local / "build.json").read_text())
+    state["shards"] = state["shards"][:2]
+    (index / "build.json").write_text(json.dumps(state))
+    args = [*COMMON, f"corpus.path={corpus}", f"run_dir={run}", "deploy=ray", "deploy.replicas=2",
+            "deploy.num_threads=1", "deploy.ray_num_cpus=2"]
+    (run / "config.yaml").write_text((local.parent / "config.yaml").read_text())
+    out = app.index(_compose(*args))
+    assert _state(out) == _state(local)
+    np.testing.assert_allclose(_vectors(out), _vectors(local), atol=1e-5, rtol=0)
+
+
+def test_a_ray_build_needs_each_records_id(tmp_path: Path) -> None:
+    corpus = tmp_path / "noid.jsonl"
+    corpus.write_text(json.dumps({"contents": "Title\nno id here"}) + "\n")
+    with pytest.raises(Exception, match="needs every record's id"):
+        app.index(_compose(*COMMON, f"corpus.path={corpus}", f"run_dir={tmp_path / 'r'}", "deploy=ray",
+                           "deploy.replicas=1", "deploy.num_threads=1", "deploy.ray_num_cpus=2"))
