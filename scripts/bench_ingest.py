@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a bench.yaml override (Hydra syntax), e.g. scheduler.max_num_batched_tokens=512; repeat")
     p.add_argument("--dedicated-baselines", action="store_true",
                    help="also the dedicated deployment's own idle-ingest and serving rows")
+    p.add_argument("--rows", nargs="+", default=None, metavar="NAME",
+                   help="run only these rows, by name (e.g. 'serving + ingest'): a variant beside a full run's "
+                        "baselines; a row's ratios need its baselines in the same run")
     p.add_argument("--scratch", type=Path, default=ROOT / "runs" / "bench_ingest" / "scratch")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_ingest" / "results.json")
     args = p.parse_args(argv)
@@ -277,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench_config(args)
     args.clients = args.clients or int(cfg.experiment.clients)
     rows = ROWS + (DEDICATED_BASELINES if args.dedicated_baselines else [])
+    if args.rows is not None:
+        known = {r.name: r for r in ROWS + DEDICATED_BASELINES}
+        if unknown := [n for n in args.rows if n not in known]:
+            p.error(f"--rows: no row named {', '.join(map(repr, unknown))}; rows: {', '.join(map(repr, known))}")
+        rows = [known[n] for n in dict.fromkeys(args.rows)]
     need = max(args.count, args.idle_count or 0)
     passages = [x for _, x in zip(range(need), read_jsonl(args.corpus))]
     if len(passages) < need:

@@ -62,6 +62,31 @@ def test_a_row_is_compared_with_its_own_systems_baselines_when_they_ran(bench_in
     assert len(table.splitlines()) == 2 + len(rows) and "| met |" in table and "| missed |" in table
 
 
+def test_rows_runs_only_the_named_rows_in_their_order_and_refuses_an_unknown_one(bench_ingest, tmp_path,
+                                                                                   monkeypatch, capsys):
+    ran = []
+
+    def fake_row(row, cfg, args, passages):  # NOTE: no engine: which rows run, and with how many passages
+        ran.append((row.name, len(passages)))
+        out = {"serving": {"kinds": {k: {"p50_s": 1.0, "p95_s": 2.0, "throughput_rps": 3.0}
+                                     for k in ("embed", "generate")}}} if row.serves else {}
+        return {**bench_ingest.asdict(row), **out, **({"ingest": {"passages_per_s": 5.0}} if row.ingests else {})}
+
+    monkeypatch.setattr(bench_ingest, "run_row", fake_row)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"passage {i}"}) + "\n" for i in range(6)))
+    base = ["--corpus", str(corpus), "--count", "4", "--idle-count", "2", "--out", str(tmp_path / "r.json"),
+            "--scratch", str(tmp_path / "scratch")]
+    assert bench_ingest.main(base + ["--rows", "serving + ingest", "idle ingest", "serving + ingest"]) == 0
+    assert ran == [("serving + ingest", 4), ("idle ingest", 2)]
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["serving + ingest", "idle ingest"]
+    assert rows[0]["vs"]["ingest"] == pytest.approx(1.0) and rows[0]["vs"]["serving_baseline"] is None
+    with pytest.raises(SystemExit):
+        bench_ingest.main(base + ["--rows", "serving", "ingest only"])
+    assert "no row named 'ingest only'" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # builds engines and a dedicated deployment (make test-fast skips it)
 def test_the_script_writes_every_row_and_figure(bench_ingest, tmp_path, capsys):
     from orthrus_rag.data.generated_corpus import generate_passages

@@ -297,6 +297,43 @@ def test_bulk_step_tokens_is_checked():
         SchedulerConfig(bulk_step_tokens=0)
 
 
+@pytest.mark.parametrize("policy", ["orthrus", "hetero-fcfs"])
+def test_bulk_min_tokens_gives_bulk_its_floor_in_steps_that_serving_would_fill(policy):
+    """Where serving work fills every step (test_bulk_waits_while_serving_work_fills_every_step), `bulk_min_tokens`
+    holds that much budget back for bulk work each step: a bulk prompt chunks through at the floor, an encoder
+    input costing less takes only its cost, and serving gets the rest; with no bulk left serving has it all."""
+    eng = _engine(policy, min_share=0.1)
+    eng.scheduler.config.bulk_min_tokens = 10
+    for i in range(5):
+        eng.add(make_request(f"g{i}", "generate", 200))
+    doc, chunked = _bulk(make_request("doc", "encoder", 30)), _bulk(make_request("chunked", "embed", 25))
+    eng.add(doc)
+    eng.add(chunked)
+    first = eng.step()
+    assert doc in first.encoder  # cost ceil(30 x 0.25) = 8 of the floor's 10; the other 2 go to the bulk prompt
+    assert [s.num_new_tokens for s in first.scheduled if s.req is chunked] == [2]
+    assert sum(_serving_tokens(first).values()) == 90  # the budget less the floor
+    seen = 2
+    for _ in range(3):
+        out = eng.step()
+        got = sum(s.num_new_tokens for s in out.scheduled if s.req is chunked)
+        assert got == min(10, 25 - seen) and sum(_serving_tokens(out).values()) == 100 - got
+        seen += got
+    assert seen == 25
+    out = eng.step()
+    assert sum(_serving_tokens(out).values()) == 100  # nothing bulk left: no floor held back
+
+
+def test_bulk_min_tokens_is_checked():
+    with pytest.raises(ValueError, match="bulk_min_tokens"):
+        SchedulerConfig(bulk_min_tokens=-1)
+    with pytest.raises(ValueError, match="bulk_min_tokens"):
+        SchedulerConfig(max_num_batched_tokens=64, bulk_min_tokens=65)
+    with pytest.raises(ValueError, match="bulk_min_tokens"):
+        SchedulerConfig(bulk_step_tokens=8, bulk_min_tokens=16)
+    assert SchedulerConfig(bulk_step_tokens=16, bulk_min_tokens=16).bulk_min_tokens == 16
+
+
 def test_bulk_is_not_a_pending_kind_and_puts_no_target_at_risk():
     """The policies never see bulk: no share of a split, no reserved sequence slot, no latency target at risk from
     an old bulk arrival."""

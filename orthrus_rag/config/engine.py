@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -175,6 +177,11 @@ class SchedulerConfig:
     # budget tokens of it (the first bulk encoder input may overdraw it, as a lane's first may); None: all the
     # budget serving leaves. A step without serving work gives bulk the whole budget either way.
     bulk_step_tokens: int | None = None
+    # the floor beside the cap: each step with bulk work pending reserves up to this many budget tokens for it before
+    # the serving lanes fill theirs (decodes still first). 0: bulk takes only what serving leaves, which a saturating
+    # serving load leaves next to nothing of (BENCHMARKS.md, session 23); >0: an ingest progresses at a known rate
+    # while serving pays for it in step time and budget
+    bulk_min_tokens: int = 0
     slo: SloConfig = field(default_factory=SloConfig)  # per-kind latency targets (orthrus policy)
 
     def __post_init__(self) -> None:
@@ -188,6 +195,9 @@ class SchedulerConfig:
             raise ValueError(f"step_time_target must be a positive number of seconds, got {self.step_time_target}")
         if self.bulk_step_tokens is not None and self.bulk_step_tokens < 1:
             raise ValueError(f"bulk_step_tokens must be at least 1 (or None), got {self.bulk_step_tokens}")
+        if not 0 <= self.bulk_min_tokens <= min(self.max_num_batched_tokens, self.bulk_step_tokens or math.inf):
+            raise ValueError(f"bulk_min_tokens must be in [0, min(max_num_batched_tokens, bulk_step_tokens)], got "
+                             f"{self.bulk_min_tokens}")
         if not self.step_time_margin >= 0 or self.min_step_tokens < 1:
             raise ValueError("step_time_margin must be >= 0 and min_step_tokens >= 1")
         if not 0.0 <= self.min_share <= 0.5:

@@ -281,11 +281,17 @@ class Scheduler(SchedulerQueues):
         self.horizon = self.sizing.horizon(out, self._cap, lambda: self.remaining_cost(self.pending(embed=True))
                                            + self.remaining_cost(self.pending(embed=False))
                                            + self.remaining_cost(self.pending_bulk()))
-        # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving)
+        # 2. the residual budget, shared by the policy's lanes, then whatever is left to anyone (work-conserving);
+        # `bulk_min_tokens` of it held back from both while bulk work waits (its floor: step 3 spends it)
         allowed = {True: allow_embed, False: allow_generate}
+        bulk = [r for r in self.pending_bulk() if allowed[r.is_embed]] if cfg.bulk_min_tokens else []
+        reserve = min(cfg.bulk_min_tokens, self.remaining_cost(bulk), self._budget_left(out)) if bulk else 0
+        self._cap -= reserve
         for lane in self.policy.lanes(self, self._budget_left(out)):
             self._fill([r for r in lane.candidates if allowed[r.is_embed]], lane.cap, out)
         self._fill([r for r in self.policy.fallback(self) if allowed[r.is_embed]], None, out)
+        # NOTE: an encoder input may have raised the cap meanwhile (one that fits beside no decode): keep that
+        self._cap = max(self._cap, min(self._cap + reserve, cfg.max_num_batched_tokens))
         # 3. bulk work (priority > 0: an ingest while serving) on what is still left; beside serving work, at most
         # `bulk_step_tokens` of it (a step's time grows with its tokens, so the leftover budget is not free)
         if not self._admission_blocked:  # NOTE: else a small bulk request would take blocks a waiting one needs
