@@ -3,6 +3,7 @@
 separate encoder's forward, its attention and the runner's steps timed apart by wrapping them. Prints one line.
 
     .venv/bin/python scripts/probe_encoder_time.py --corpus runs/corpus/2wiki_200k.jsonl.gz --count 1000 --dtype auto
+    .venv/bin/python scripts/probe_encoder_time.py ... --override model.cpu_prefill_kernel=false   # SDPA attention
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
+from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_corpus_embed as bench  # noqa: E402 (a sibling script)
@@ -27,6 +30,8 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of the engine (e.g. model.cpu_prefill_kernel=false); repeatable")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -42,6 +47,9 @@ def main() -> int:
     texts = bench.read_passages(args.corpus, args.count + 32)
     warm, texts = texts[:32], texts[32:]
     cfg = bench._engine_cfg("minilm", args.dtype, args.threads, 512)
+    for item in args.override:
+        key, _, value = item.partition("=")
+        OmegaConf.update(cfg, key, yaml.safe_load(value), merge=False)
     client = build_client(cfg)
     try:
         embedder = build_embedder(cfg, client, batch_size=len(texts))
@@ -52,7 +60,8 @@ def main() -> int:
         wall = time.perf_counter() - start
     finally:
         asyncio.run(client.aclose())
-    print(f"{args.dtype}: {len(texts)} passages in {wall:.2f} s ({len(texts) / wall:.1f}/s); "
+    label = " ".join([args.dtype, *args.override])
+    print(f"{label}: {len(texts)} passages in {wall:.2f} s ({len(texts) / wall:.1f}/s); "
           + ", ".join(f"{k} {TOTALS[k]:.2f} s" for k in ("steps", "encoder_forward", "attention")))
     return 0
 

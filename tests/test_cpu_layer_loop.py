@@ -129,7 +129,7 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
     steps of 1 and 3 rows multiply by the dense weights, those of 9 and 14 by the packed ones, in both loops."""
     if packed and dtype is torch.bfloat16 and not PACKED_BF16:
         pytest.skip(NO_PACKED_BF16)
-    prefill_kernel = dtype is torch.bfloat16 and cpu_prefill.prefill_kernel_available(dtype, 32)
+    prefill_kernel = cpu_prefill.prefill_kernel_available(dtype, 32)
     model = _model(kind, dtype, packed, lora)
     slots = {0: 1, 2: 2} if lora == "kernel" else None  # sequence 1 stays on the base weights
     want, want_caches = _steps(model, STEPS, prefill_kernel, slots)

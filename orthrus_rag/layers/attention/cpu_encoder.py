@@ -8,8 +8,8 @@ cores). This runs the chunked-prefill kernel's AVX512-BF16 body (attention/cpu_p
 fp32 scores and softmax, P rounded to bf16 before P @ V) with every key of a sequence visible, one call per layer
 for the whole batch: 40 sequences of 1-256 tokens, 12 heads of 32, in 11.9 ms against SDPA's 23.2 (~113 GFLOP/s;
 with heads of 32 the softmax is a larger share than at 64), and attention fell from 3.0 to 1.1 s of those 1,000
-passages. Where it is not built (AVX2-only CPUs), in fp32, or for head sizes that are not a multiple of 32, the
-encoder keeps SDPA.
+passages. In fp32 (every model on an AVX2-only CPU) it runs the kernel's fp32 body (csrc/attention_f32.h); for
+head sizes that are not a multiple of 32, or bf16 without AVX512-BF16, the encoder keeps SDPA.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def encoder_kernel_available(q: torch.Tensor) -> bool:
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """q, k, v [T, H, D] bf16; sequence s is rows q_start[s] .. + q_len[s] (int64, CPU). Returns [T, H, D]."""
+    """q, k, v [T, H, D] fp32 or bf16; sequence s is rows q_start[s] .. + q_len[s] (int64, CPU). Returns [T, H, D]."""
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)

@@ -1,5 +1,5 @@
-"""Chunked-prefill attention for the CPU in AVX512-BF16: a chunk's queries against its sequence's keys, read from
-the paged cache, with fp32 scores and softmax.
+"""Chunked-prefill attention for the CPU, in bf16 on AVX512-BF16 and in fp32 on any x86-64 CPU: a chunk's queries
+against its sequence's keys, read from the paged cache, with fp32 scores and softmax.
 
 torch's CPU flash SDPA reached ~43 GFLOP/s in bf16 on an EPYC core (1.8 ms a layer for SmolLM2's 256 x 256 x 9
 heads; 29% of a 256-token prefill step), and a matmul-based attention could not keep fp32 scores (torch's CPU
@@ -13,8 +13,11 @@ time), and P is rounded to bf16 before P @ V, as flash attention does. Measured 
 (same error to an fp32 reference): 256 x 256 keys 0.46 against 1.94 ms, 512 x 512 1.3 against 7.5 ms, 64 new
 over 512 keys 0.43 against 1.03 ms.
 
-Built only where the compiler targets AVX512-BF16 (`prefill_attention_supported`); elsewhere, in fp32, or with a
-head size that is not a multiple of 32, the grouped backend keeps SDPA.
+The bf16 body is built only where the compiler targets AVX512-BF16 (`prefill_attention_supported`). The fp32 body
+(csrc/attention_f32.h) has the same layout and work items in GCC vector extensions one register wide (8 floats on
+AVX2, 16 on AVX-512), with P kept in fp32: an AVX2-only CPU runs every model in fp32, and there SDPA was 5.5% of a
+backbone embedding step and 15% of MiniLM's encoder forward (BENCHMARKS.md, session 24). With a head size that is
+not a multiple of 32, or in another dtype, the grouped backend keeps SDPA.
 """
 
 from __future__ import annotations
@@ -34,8 +37,13 @@ def _built() -> bool:
 
 
 def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether chunks of a model in `dtype` with `head_dim` can run on the kernel on this machine."""
-    return dtype == torch.bfloat16 and head_dim % 32 == 0 and _built()
+    """Whether chunks of a model in `dtype` with `head_dim` can run on the kernel on this machine: fp32 wherever the
+    extension builds, bf16 where it has AVX512-BF16."""
+    if head_dim % 32 != 0:
+        return False
+    if dtype == torch.float32:
+        return kernels() is not None
+    return dtype == torch.bfloat16 and _built()
 
 
 @dataclass
@@ -49,7 +57,7 @@ class Chunks:
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks,
                       scale: float, window: int | None, out: torch.Tensor) -> None:
-    """Write the attention of the chunks' rows of q [T, H, D] into those rows of `out` [T, H, D] (bf16)."""
+    """Write the attention of the chunks' rows of q [T, H, D] into those rows of `out` [T, H, D] (fp32 or bf16)."""
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:  # NOTE: strided rows are read as they are
         q = q.contiguous()
     kernels().prefill_attention(q, k_cache, v_cache, chunks.q_start, chunks.q_len, chunks.ctx_len,

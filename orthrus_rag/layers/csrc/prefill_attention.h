@@ -1,5 +1,7 @@
-// The CPU chunked-prefill attention kernel (its wrapper and notes: layers/attention/cpu_prefill.py).
+// The CPU chunked-prefill attention kernel (its wrapper and notes: layers/attention/cpu_prefill.py): a bf16 body
+// in AVX512-BF16 here, and an fp32 one for any x86-64 CPU in attention_f32.h.
 #pragma once
+#include "attention_f32.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -205,39 +207,53 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
   });
 }
 
-// Both kernels' operands: bf16; q's rows may be strided (a view of the fused Q/K/V output), each row's heads one
-// contiguous run; keys, values and out contiguous.
-void check_operands(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-                    const char* what) {
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-              v.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, what, ": bfloat16 tensors");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() && v.is_contiguous() &&
-              out.is_contiguous(), what, ": contiguous tensors");
-}
 }  // namespace
 #endif
 
+namespace {
+// Both kernels' operands: one dtype, fp32 (any CPU) or bf16 (where built with AVX512-BF16); q's rows may be
+// strided (a view of the fused Q/K/V output), each row's heads one contiguous run; keys, values and out contiguous.
+void check_operands(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+                    const char* what) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && out.scalar_type() == dt, what,
+              ": q, k, v and out of one dtype");
+  TORCH_CHECK(dt == torch::kFloat || (dt == torch::kBFloat16 && prefill_attention_supported()), what,
+              ": float32 tensors (or bfloat16 on a CPU with AVX512-BF16), not ", dt);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() && v.is_contiguous() &&
+              out.is_contiguous(), what, ": contiguous tensors");
+}
+
+// The body for the operands' dtype (checked by check_operands).
+void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, torch::Tensor q_len,
+            torch::Tensor ctx_len, const int64_t* slots, int64_t W, double scale, int64_t window, bool causal,
+            torch::Tensor out) {
+  if (q.scalar_type() == torch::kFloat) {
+    attention_f32::attend_rows(q, k, v, q_start, q_len, ctx_len, slots, W, scale, window, causal, out);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  attend_rows(q, k, v, q_start, q_len, ctx_len, slots, W, scale, window, causal, out);
+#endif
+}
+}  // namespace
+
 // Chunked prefill over the paged cache: q [T, H, D] (rows strided), caches [slots, KVH, D], out [T, H, D]
-// contiguous, bf16; causal within each sequence, keys key_slots[s, 0 .. ctx_len[s] + q_len[s]).
+// contiguous, fp32 or bf16; causal within each sequence, keys key_slots[s, 0 .. ctx_len[s] + q_len[s]).
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
                        torch::Tensor q_len, torch::Tensor ctx_len, torch::Tensor key_slots, double scale,
                        int64_t window, torch::Tensor out) {
-#if defined(__AVX512BF16__)
   check_operands(q, k_cache, v_cache, out, "prefill_attention");
   TORCH_CHECK(key_slots.is_contiguous(), "prefill_attention: contiguous tensors");
-  attend_rows(q, k_cache, v_cache, q_start, q_len, ctx_len, key_slots.data_ptr<int64_t>(), key_slots.size(1), scale,
-              window, true, out);
-#else
-  TORCH_CHECK(false, "prefill_attention: built without AVX512-BF16");
-#endif
+  attend(q, k_cache, v_cache, q_start, q_len, ctx_len, key_slots.data_ptr<int64_t>(), key_slots.size(1), scale,
+         window, true, out);
 }
 
-// An encoder's attention over a packed batch (attention/cpu_encoder.py): q, k, v [T, H, D] bf16 (q's rows may be
-// strided, k and v contiguous), sequences back to back from row q_start[s] for q_len[s] rows; every row attends
+// An encoder's attention over a packed batch (attention/cpu_encoder.py): q, k, v [T, H, D] fp32 or bf16 (q's rows
+// may be strided, k and v contiguous), sequences back to back from row q_start[s] for q_len[s] rows; every row attends
 // to all the rows of its own sequence. Writes out [T, H, D].
 void encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, torch::Tensor q_len,
                        double scale, torch::Tensor out) {
-#if defined(__AVX512BF16__)
   check_operands(q, k, v, out, "encoder_attention");
   TORCH_CHECK(q_start.is_contiguous() && q_len.is_contiguous(), "encoder_attention: contiguous tensors");
   TORCH_CHECK(k.size(0) == q.size(0) && v.sizes() == k.sizes(), "encoder_attention: q, k and v rows differ");
@@ -248,8 +264,5 @@ void encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   for (int64_t s = 0; s < q_start.size(0); ++s)
     TORCH_CHECK(qs[s] >= 0 && ql[s] >= 0 && qs[s] + ql[s] <= q.size(0), "encoder_attention: sequence ", s,
                 " (rows ", qs[s], " + ", ql[s], ") is outside the batch's ", q.size(0), " rows");
-  attend_rows(q, k, v, q_start, q_len, torch::zeros_like(q_len), nullptr, 0, scale, -1, false, out);
-#else
-  TORCH_CHECK(false, "encoder_attention: built without AVX512-BF16");
-#endif
+  attend(q, k, v, q_start, q_len, torch::zeros_like(q_len), nullptr, 0, scale, -1, false, out);
 }
