@@ -2,8 +2,10 @@
 
     python scripts/bench_cpu_kernels.py [--threads 1] [--dtype bfloat16]
 
-Attention: the prefill kernel (attention/cpu_prefill.py) against torch's SDPA on the same bf16 inputs, causal
-over a chunk's own keys and after a cached prefix, with the largest error of each to an fp32 reference.
+Attention: the prefill kernel (attention/cpu_prefill.py) against torch's SDPA on the same inputs (bf16, or fp32:
+the kernel's fp32 body), causal over a chunk's own keys and after a cached prefix, with the largest error of each to
+an fp32 reference; and the encoder's bidirectional form (attention/cpu_encoder.py) on MiniLM's 12 heads of 32
+against one SDPA call per sequence (what the encoder runs without it), over packed batches of passages.
 Decode: a 32-sequence step's attention over 30 layers' cold caches, the decode kernel's generic path against its
 AVX512-BF16 one (layers/attention/cpu_kernels.py).
 Elementwise: residual add + RMSNorm, rotary (q and k) and SiLU-and-mul (layers/cpu_elementwise.py) against the
@@ -71,6 +73,26 @@ def attention(dtype: torch.dtype) -> None:
 
             row["kernel_us"] = round(_us(kernel), 1)
             row["kernel_err"] = round((out.float() - exact).abs().max().item(), 4)
+            row["speedup"] = round(row["sdpa_us"] / row["kernel_us"], 2)
+        print(json.dumps(row))
+
+
+def encoder(dtype: torch.dtype, heads: int = 12, dim: int = 32) -> None:
+    from orthrus_rag.layers.attention.cpu_encoder import encoder_attention, encoder_kernel_available
+
+    g = torch.Generator().manual_seed(0)
+    for name, lens in [("32 x 128", [128] * 32), ("40 of 40-200", torch.randint(40, 201, (40,), generator=g).tolist()),
+                       ("8 x 512", [512] * 8)]:
+        q, k, v = (torch.randn(sum(lens), heads, dim, generator=g).to(dtype) for _ in range(3))
+
+        def sdpa():
+            return [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in x))
+                    for x in zip(q.split(lens), k.split(lens), v.split(lens))]
+
+        row = {"encoder": f"{name} tokens, {heads} heads of {dim}", "sdpa_us": round(_us(sdpa, 10), 1)}
+        if encoder_kernel_available(q):
+            starts, counts = torch.tensor([0, *lens[:-1]]).cumsum(0), torch.tensor(lens)
+            row["kernel_us"] = round(_us(lambda: encoder_attention(q, k, v, starts, counts, dim ** -0.5), 10), 1)
             row["speedup"] = round(row["sdpa_us"] / row["kernel_us"], 2)
         print(json.dumps(row))
 
@@ -193,16 +215,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--only", nargs="+", choices=("attention", "encoder", "decode", "elementwise", "lora", "sampler"),
+                    help="these sections only (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if not cpu_elementwise.available(dtype):
         raise SystemExit("the CPU extension did not build here (needs a C++ compiler and ninja)")
-    attention(dtype)
-    decode(dtype)
-    elementwise(dtype)
-    lora(dtype)
-    sampler()
+    sections = {"attention": attention, "encoder": encoder, "decode": decode, "elementwise": elementwise,
+                "lora": lora, "sampler": lambda _: sampler()}
+    for name, section in sections.items():
+        if args.only is None or name in args.only:
+            section(dtype)
 
 
 if __name__ == "__main__":
