@@ -3,6 +3,7 @@
 // (8 floats with AVX2, 16 with AVX-512), so one source serves both and an AVX2-only CPU, which runs every model in
 // fp32, gets a kernel where it had torch's SDPA.
 #pragma once
+#include "attention_layout.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -84,15 +85,10 @@ inline void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  std::vector<int64_t> pack_at(S + 1, 0), padded(S);
-  int64_t Lmax = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t L = cl[s] + ql[s];
-    TORCH_CHECK(slots == nullptr || L <= W, "prefill_attention: key_slots narrower than a sequence");
-    padded[s] = (L + KB - 1) / KB * KB;
-    Lmax = std::max(Lmax, padded[s]);
-    pack_at[s + 1] = pack_at[s] + KVH * padded[s] * D;
-  }
+  const KeyLayout layout = key_layout(S, cl, ql, slots, W, KVH, D, KB);
+  const std::vector<int64_t>& pack_at = layout.pack_at;
+  const std::vector<int64_t>& padded = layout.padded;
+  const int64_t Lmax = layout.max_padded;
   float* kpack = key_buffer(pack_at[S]);
   auto slot_of = [&](int64_t s, int64_t j) { return slots != nullptr ? slots[s * W + j] : qs[s] + j; };
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {

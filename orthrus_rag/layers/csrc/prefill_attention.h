@@ -95,15 +95,11 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   // K of each (sequence, KV head) as [D/2][Lp] pairs of dims; V as [Lp/2][D] pairs of keys (dpbf16 operands)
-  std::vector<int64_t> pack_at(S + 1, 0), padded(S);
-  int64_t Lmax = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t L = cl[s] + ql[s];
-    TORCH_CHECK(slots == nullptr || L <= W, "prefill_attention: key_slots narrower than a sequence");
-    padded[s] = (L + KB - 1) / KB * KB;
-    Lmax = std::max(Lmax, padded[s]);
-    pack_at[s + 1] = pack_at[s] + KVH * padded[s] * D;  // in bf16 elements (halved for the uint32 pairs)
-  }
+  // NOTE: pack_at counts bf16 elements (halved for the uint32 pairs)
+  const KeyLayout layout = key_layout(S, cl, ql, slots, W, KVH, D, KB);
+  const std::vector<int64_t>& pack_at = layout.pack_at;
+  const std::vector<int64_t>& padded = layout.padded;
+  const int64_t Lmax = layout.max_padded;
   std::vector<uint32_t> kpack(pack_at[S] / 2 + 1), vpack(pack_at[S] / 2 + 1);  // NOTE: zeroed: padding keys
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
