@@ -22,10 +22,13 @@ demo: install
 	$(VENV)/bin/orthrus-rag run experiment=smoke
 
 # then the tests of ISA-specific paths again, on the ones an AVX2-only CPU takes (x86-64-v3 kernels, torch's AVX2
-# kernels, dense bf16 linears: orthrus_rag/machine.py), so they are tested on every machine, not only on AVX2 ones
+# kernels, dense bf16 linears: orthrus_rag/machine.py), so they are tested on every machine, not only on AVX2 ones.
+# ATen, MKL and oneDNN each pick their ISA apart: all three are capped, or torch mixes them (on an AMX CPU, ATen's
+# AVX2 flash attention asks oneDNN, which still sees AMX, to pack bf16 tiles, and raises)
+AVX2_ENV := ORTHRUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 test: install
 	$(PY) -m pytest -q
-	ORTHRUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "isa and not gpu"
+	$(AVX2_ENV) $(PY) -m pytest -q -m "isa and not gpu"
 
 # the edit-test loop: model-free tests only (under a minute); a test here that loads a model fails, naming `slow`
 test-fast: install
