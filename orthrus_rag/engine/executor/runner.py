@@ -83,7 +83,8 @@ class ModelRunner:
         # CPU, fp32 or bf16: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
         self.decode_kernel = (mc.cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                               and decode_kernel_available())
-        # CPU, bf16 on AVX512-BF16: prompt and embedding chunks attend in a C++ kernel (attention/cpu_prefill.py)
+        # CPU, fp32, or bf16 on AVX512-BF16 without AMX: prompt and embedding chunks attend in a C++ kernel
+        # (attention/cpu_prefill.py)
         self.prefill_kernel = (mc.cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
                                and prefill_kernel_available(dtype, model.attention_layers[0].head_dim))
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs

@@ -18,6 +18,11 @@ The bf16 body is built only where the compiler targets AVX512-BF16 (`prefill_att
 AVX2, 16 on AVX-512), with P kept in fp32: an AVX2-only CPU runs every model in fp32, and there SDPA was 5.5% of a
 backbone embedding step and 15% of MiniLM's encoder forward (BENCHMARKS.md, session 24). With a head size that is
 not a multiple of 32, or in another dtype, the grouped backend keeps SDPA.
+
+Where the CPU has AMX, bf16 keeps SDPA too: torch's flash attention packs its blocks for AMX tiles there (through
+oneDNN's brgemm) and ran 1.7-2.9x this kernel's AVX512-BF16 body on a Sapphire Rapids core, a 1,536-token prefill
+1.69x the engine's tokens/s with the kernel (BENCHMARKS.md, session 25). `prefill_kernel_runs` says whether the
+kernel can run here (its tests and benchmark); `prefill_kernel_available`, whether the engine takes it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from functools import lru_cache
 
 import torch
 
+from orthrus_rag import machine
 from orthrus_rag.layers.cpu_extension import kernels
 
 
@@ -36,7 +42,7 @@ def _built() -> bool:
     return mod is not None and bool(mod.prefill_attention_supported())
 
 
-def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
+def prefill_kernel_runs(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether chunks of a model in `dtype` with `head_dim` can run on the kernel on this machine: fp32 wherever the
     extension builds, bf16 where it has AVX512-BF16."""
     if head_dim % 32 != 0:
@@ -44,6 +50,17 @@ def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
     if dtype == torch.float32:
         return kernels() is not None
     return dtype == torch.bfloat16 and _built()
+
+
+def sdpa_runs_on_amx(dtype: torch.dtype) -> bool:
+    """bf16 on a CPU with AMX: torch's SDPA runs on AMX tiles there, faster than the kernel (see the module)."""
+    return dtype == torch.bfloat16 and "amx_bf16" in machine.cpu_flags()
+
+
+def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the engine attends chunks (and a separate encoder's batches) of `dtype` and `head_dim` on the kernel
+    here: where it runs, except bf16 on AMX."""
+    return prefill_kernel_runs(dtype, head_dim) and not sdpa_runs_on_amx(dtype)
 
 
 @dataclass
