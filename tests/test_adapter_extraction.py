@@ -22,7 +22,7 @@ from tests.test_model_parity import ATOL, SEQ_LEN, _build, _engine, _engine_logi
 pytestmark = pytest.mark.slow  # builds engines (make test-fast skips it)
 
 RANK = 4
-EXACT = 1e-5
+EXACT = 2.5e-5
 ALL = PoolingParams(pooling="all", normalize=False, adapter="tuned")
 
 
@@ -95,8 +95,10 @@ def test_rank_r_delta_recovered_exactly(pair: dict, capsys: pytest.CaptureFixtur
     tuned_engine = _engine(load_decoder(pair["tmp"] / "tuned"), 7)
     (tuned_out,) = tuned_engine.embed([ids], PoolingParams(pooling="all", normalize=False))
     want = _engine_logits(engine, tuned_out)  # the same (base) head
-    # NOTE: 1e-5 relative to the logits' scale: for the Gemma 3 config, merely chunking the same model differently
-    # moves its logits (|logit| <= 3) by 1.2e-5 in fp32, so an absolute 1e-5 would test rounding, not extraction
+    # NOTE: relative to the logits' scale: for the Gemma 3 config, merely chunking the same model differently
+    # moves its logits (|logit| <= 3) by 1.2e-5 in fp32, so an absolute 1e-5 would test rounding, not extraction.
+    # The factorised delta sums in another order again: under 1e-5 relative on the EPYCs, 1.25e-5 on an AMX
+    # Xeon's fp32 GEMMs (chunking alone 0.4e-5 there)
     diff = (got - want).abs().max().item()
     assert diff < EXACT * max(1.0, want.abs().max().item()), f"max |logit diff| {diff:.2e} vs the tuned model"
     # and transformers' forward of the tuned model, on the hidden states the embedding pools
