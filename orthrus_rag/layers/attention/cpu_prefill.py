@@ -20,7 +20,7 @@ backbone embedding step and 15% of MiniLM's encoder forward (BENCHMARKS.md, sess
 not a multiple of 32, or in another dtype, the grouped backend keeps SDPA.
 
 Where the CPU has AMX, bf16 keeps SDPA too: torch's flash attention packs its blocks for AMX tiles there (through
-oneDNN's brgemm) and ran 1.7-2.9x this kernel's AVX512-BF16 body on a Sapphire Rapids core, a 1,536-token prefill
+oneDNN's brgemm) and ran 1.7-2.9x this kernel's AVX512-BF16 body on an AMX Xeon core, a 1,536-token prefill
 1.69x the engine's tokens/s with the kernel (BENCHMARKS.md, session 25). `prefill_kernel_runs` says whether the
 kernel can run here (its tests and benchmark); `prefill_kernel_available`, whether the engine takes it.
 """
