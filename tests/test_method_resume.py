@@ -19,11 +19,12 @@ from tests.test_run_folder import _records, _strip
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
-# NOTE: as test_resume's: one question at a time, the linear kernel pinned and steps sized by tokens, so both
-# sessions run the same engine steps
+# NOTE: as test_resume's: one question at a time, the linear kernel pinned, steps sized by tokens and no prefix
+# cache (see there), so both sessions run the same engine steps
 ARGS = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=16", "pipeline.step_tokens=12",
         "pipeline.max_steps=3", "pipeline.max_follow_ups=2", "retriever.k=2", "pipeline.max_concurrency=1",
-        "progress=false", "model.linear_kernel=dense", "scheduler.cost_budget=false"]
+        "progress=false", "model.linear_kernel=dense", "scheduler.cost_budget=false",
+        "cache.enable_prefix_caching=false"]
 
 
 @pytest.mark.parametrize("method", ["ircot", "flare", "self_ask"])
