@@ -7,6 +7,11 @@ the follow-up is retrieved for and answered in a short retrieval-augmented gener
 goes back into the transcript as "Intermediate answer: ...". The chain ends when the model writes the answer
 ("So the answer is ...") or after `max_follow_ups`, when a last generation writes the answer under the run's
 `answer_format`.
+
+`force_follow_up` (the default) starts the model's turn with "Yes." and "Follow up:", so it asks at least one
+follow-up: every question of a multi-hop set needs one, and a small model answers at once otherwise (SmolLM2-135M
+wrote "The answer is yes." for all 40 2Wiki questions and retrieved for none; BENCHMARKS.md, session 25). Off, the
+model decides after "Are follow up questions needed here:", as in Press et al.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from orthrus_rag.pipelines.records import IterationRecord, QARecord
 from orthrus_rag.retrievers.kinds import Retriever
 
 FOLLOW_UP, INTERMEDIATE = "Follow up:", "Intermediate answer:"
+FORCED = f" Yes.\n{FOLLOW_UP}"  # the start of the model's turn under force_follow_up
 INSTRUCTION = ("Answer the question by asking follow-up questions, one at a time, each answered before the next. "
                f"Finish with \"{ANSWER_PHRASE} <answer>.\"")
 DEMOS: list[tuple[str, list[tuple[str, str]], str]] = [
@@ -70,20 +76,23 @@ def check_self_ask(max_follow_ups: int, step_tokens: int) -> None:
 
 class SelfAsk(Method):
     """`max_follow_ups`: follow-up questions at most before the answer is asked for; `step_tokens`: the token
-    budget of a follow-up question and of its intermediate answer. Needs a retriever."""
+    budget of a follow-up question and of its intermediate answer; `force_follow_up`: the first follow-up is asked
+    whatever the model would say (see the module). Needs a retriever."""
 
     name = "self_ask"
 
     def __init__(self, client: EngineClient, retriever: Retriever, k: int = 5, max_follow_ups: int = 4,
                  step_tokens: int = 48, sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
-                 question_timeout_s: float | None = None, answer_format: str = "free") -> None:
+                 question_timeout_s: float | None = None, answer_format: str = "free",
+                 force_follow_up: bool = True) -> None:
         if retriever is None:
             raise ValueError("self_ask answers its follow-ups from retrieved passages: it needs a retriever")
         check_self_ask(max_follow_ups, step_tokens)
         super().__init__(client, retriever, k, sampling_params, chat_template, max_concurrency, recall_ks,
                          question_timeout_s, answer_format)
         self.max_follow_ups = max_follow_ups
+        self.force_follow_up = force_follow_up
         stop = list(self.sampling_params.stop or [])
         # NOTE: the model would answer its own follow-up from memory next: stop there, retrieve and answer it
         self.ask_params = dataclasses.replace(self.sampling_params, max_tokens=step_tokens,
@@ -95,14 +104,16 @@ class SelfAsk(Method):
         return head + transcript
 
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
-        transcript = ""  # the model's turn so far, after "Are follow up questions needed here:"
+        # the model's turn so far, after "Are follow up questions needed here:"
+        transcript = FORCED if self.force_follow_up else ""
         used: Hits = []
         for t in range(1, self.max_follow_ups + 2):
             final = t == self.max_follow_ups + 1
             prompt = self._transcript_prompt(ex.question, transcript)
             out, generate_s = await self.generate(prompt, self.final_params if final else self.ask_params)
             asked = out.text
-            follow_up = None if final else follow_up_of(asked)
+            # NOTE: the first step's question may begin in the forced "Follow up:" before the generation
+            follow_up = None if final else follow_up_of((transcript if t == 1 else "") + asked)
             if final or follow_up is None or parse_answer(asked, ex.question).found:
                 # the answer (or no further question): the chain ends with this generation
                 transcript += asked

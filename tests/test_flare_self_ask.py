@@ -92,7 +92,7 @@ def test_self_ask_answers_each_follow_up_from_its_own_retrieval():
         "So the answer is Ilse Maralt.",
     ])
     retriever = TitledRetriever()
-    rec = asyncio.run(SelfAsk(engine, retriever, k=2).answer(_example()))
+    rec = asyncio.run(SelfAsk(engine, retriever, k=2, force_follow_up=False).answer(_example()))
     assert retriever.queries == ["Director of Lake Film?", "Mother of Edda Maralt?"]
     assert [it.query for it in rec.iterations] == ["Director of Lake Film?", "Mother of Edda Maralt?", ""]
     assert rec.prediction == "Ilse Maralt" and rec.em == 1.0
@@ -107,9 +107,30 @@ def test_self_ask_answers_each_follow_up_from_its_own_retrieval():
 
 def test_self_ask_asks_for_the_answer_after_its_follow_up_limit():
     engine = ScriptedEngine(["Yes.\nFollow up: Who?\n", "Someone.", "So the answer is Nobody."])
-    rec = asyncio.run(SelfAsk(engine, TitledRetriever(), max_follow_ups=1).answer(_example()))
+    rec = asyncio.run(SelfAsk(engine, TitledRetriever(), max_follow_ups=1, force_follow_up=False)
+                      .answer(_example()))
     assert len(rec.iterations) == 2 and rec.prediction == "Nobody"
     assert engine.params[-1].max_tokens == 96  # the last generation has the run's own budget
+
+
+
+def test_self_ask_forces_its_first_follow_up_by_default():
+    """A model that would answer at once (SmolLM2-135M on every 2Wiki question) still asks one follow-up: its turn
+    starts "Yes. Follow up:", and the question it writes there is retrieved for; off, it answers at once."""
+    lines = [" Director of Lake Film?\n", "Lake Film was directed by Edda Maralt.", " So the answer is Edda Maralt."]
+    engine, retriever = ScriptedEngine(lines), TitledRetriever()
+    rec = asyncio.run(SelfAsk(engine, retriever, k=2).answer(_example()))
+    assert engine.prompts[0].endswith("Are follow up questions needed here: Yes.\nFollow up:")
+    assert retriever.queries == ["Director of Lake Film?"]
+    assert engine.prompts[2].endswith("Follow up: Director of Lake Film?\nIntermediate answer: "
+                                      "Lake Film was directed by Edda Maralt.\n")
+    assert [it.query for it in rec.iterations] == ["Director of Lake Film?", ""]
+    assert rec.prediction == "Edda Maralt"
+    # the model's own turn, unforced: it answered, nothing was retrieved
+    engine, retriever = ScriptedEngine([" The answer is yes.\n\nSo the answer is yes."]), TitledRetriever()
+    rec = asyncio.run(SelfAsk(engine, retriever, k=2, force_follow_up=False).answer(_example()))
+    assert retriever.queries == [] and len(rec.iterations) == 1 and rec.prediction == "yes"
+    assert engine.prompts[0].endswith("Are follow up questions needed here:")
 
 
 def test_self_ask_prompt_and_follow_up_parsing():

@@ -111,6 +111,8 @@ class PipelineConf:
     step_tokens: int = 48
     threshold: float = 0.4  # flare: a token less likely than this makes its sentence retrieve
     max_follow_ups: int = 4  # self_ask: follow-up questions at most before the answer is asked for
+    # self_ask: the model's turn starts "Yes. Follow up:", so it asks at least one (small models answer at once)
+    force_follow_up: bool = True
 
 
 @dataclass

@@ -207,7 +207,8 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method
     own = {"iter_retgen": {"iterations": p.iterations},
            "ircot": {"max_steps": p.max_steps, "max_passages": p.max_passages, "step_tokens": p.step_tokens},
            "flare": {"max_steps": p.max_steps, "threshold": p.threshold, "step_tokens": p.step_tokens},
-           "self_ask": {"max_follow_ups": p.max_follow_ups, "step_tokens": p.step_tokens}}.get(p.name, {})
+           "self_ask": {"max_follow_ups": p.max_follow_ups, "step_tokens": p.step_tokens,
+                        "force_follow_up": p.force_follow_up}}.get(p.name, {})
     return make_method(p.name, client, retriever, k=cfg.retriever.k,
                        chat_template=client.tokenizer if p.chat_template else None,
                        sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
