@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -53,21 +54,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _proc_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def _proc_flags() -> frozenset[str]:
+    # NOTE: read once: the CPU does not change under a process, and callers ask per step (cpu_prefill's AMX check)
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(line.split(":", 1)[1].split()) if line else set()
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
 
 
-def cpu_flags() -> set[str]:
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read), less those above the ISA the engine
     targets (`isa()`)."""
     flags = _proc_flags()
     if isa() == "avx2":
-        flags = {f for f in flags if not f.startswith(_ABOVE_AVX2)}
+        flags = frozenset(f for f in flags if not f.startswith(_ABOVE_AVX2))
     return flags
 
 

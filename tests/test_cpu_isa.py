@@ -55,7 +55,7 @@ def test_the_avx2_build_has_no_avx512_paths():
 def test_torch_reads_the_cpu_as_avx2_too():
     # ATen picks its kernels by ATEN_CPU_CAPABILITY and oneDNN by ONEDNN_MAX_CPU_ISA, apart: with only the first
     # capped, ATen's AVX2 flash attention on an AMX CPU asks oneDNN to pack bf16 tiles for AMX, and raises
-    # "pack_vnni2 is only supported when avx512 is supported" (seen on a Sapphire Rapids Xeon)
+    # "pack_vnni2 is only supported when avx512 is supported" (seen on an AMX Xeon)
     assert torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT")
     q = torch.randn(1, 4, 64, 32, dtype=torch.bfloat16)
     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)

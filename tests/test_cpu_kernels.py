@@ -132,10 +132,9 @@ def test_the_kernel_takes_fp32_and_bf16_only_and_says_so():
             attend(torch.bfloat16)
 
 
-
 def test_bf16_chunks_keep_sdpa_on_amx(monkeypatch):
-    """torch's SDPA runs on AMX tiles where the CPU has them, 1.7-2.9x the kernel's AVX512-BF16 body (measured on a
-    Sapphire Rapids core): the engine keeps SDPA for bf16 there, the kernel only where it pays."""
+    """torch's SDPA runs on AMX tiles where the CPU has them, 1.7-2.9x the kernel's AVX512-BF16 body (measured on an
+    AMX Xeon core): the engine keeps SDPA for bf16 there, the kernel only where it pays."""
     from orthrus_rag import machine
 
     flags = machine._proc_flags()

@@ -113,7 +113,6 @@ def test_self_ask_asks_for_the_answer_after_its_follow_up_limit():
     assert engine.params[-1].max_tokens == 96  # the last generation has the run's own budget
 
 
-
 def test_self_ask_forces_its_first_follow_up_by_default():
     """A model that would answer at once (SmolLM2-135M on every 2Wiki question) still asks one follow-up: its turn
     starts "Yes. Follow up:", and the question it writes there is retrieved for; off, it answers at once."""

@@ -69,8 +69,8 @@ class RAGRunnable(Runnable[QuestionInput, dict[str, Any]]):
     """`retriever`: an `OrthrusRetriever` or a `DenseRetriever`; `chat`: the `ChatOrthrus` that generates;
     `method`: a name of `orthrus_rag.pipelines.PIPELINES` (iter_retgen, standard_rag, no_retrieval, ircot, flare,
     self_ask), `options` its own settings (`iterations`; `max_steps`, `max_passages`, `step_tokens`; `threshold`;
-    `max_follow_ups`, `force_follow_up`). Output: the question's record (`prediction`, `iterations` with each step's query, passages
-    and output, EM/F1 when answers were given)."""
+    `max_follow_ups`, `force_follow_up`). Output: the question's record (`prediction`, `iterations` with each
+    step's query, passages and output, EM/F1 when answers were given)."""
 
     def __init__(self, retriever: Any, chat: ChatOrthrus, method: str = "iter_retgen", k: int = 5,
                  max_tokens: int = 96, temperature: float = 0.0, answer_format: str = "free",
