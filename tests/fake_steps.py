@@ -89,6 +89,7 @@ class _Before:
     decodes: list[Request]
     table_lens: dict[int, int]
     reserved: int = 0  # sequence slots the policy kept from decodes (for pending embeddings)
+    yielded: frozenset[str] = frozenset()  # ids of the decodes that sat out the previous step
 
 
 class FakeEngine:
@@ -107,6 +108,8 @@ class FakeEngine:
         self.chunks: dict[str, list[tuple[int, int]]] = {}  # req_id -> [(num_computed_tokens before, n)]
         self.num_steps = 0
         self.num_preemptions = 0
+        self.last_yielded: list[Request] = []  # the decodes that sat out the latest step (slo.yield_decodes)
+        self.num_yielded = 0
         self.finished_at: dict[str, int] = {}  # req_id -> the step it finished in
 
     def __repr__(self) -> str:
@@ -130,9 +133,12 @@ class FakeEngine:
         before = _Before(running=list(self.scheduler.running),
                          decodes=[r for r in self.scheduler.running if r.is_decoding],
                          table_lens={id(r): len(r.block_table) for r in self.scheduler.running},
-                         reserved=self.scheduler.policy.reserved_seqs(self.scheduler))
+                         reserved=self.scheduler.policy.reserved_seqs(self.scheduler),
+                         yielded=frozenset(r.req_id for r in self.last_yielded))
         out = self.scheduler.schedule(self.now if self.clock is not None else None)
         check_schedule(self, out, before)
+        self.last_yielded = list(out.yielded)
+        self.num_yielded += len(out.yielded)
         self.num_preemptions += len(out.preempted)
         self._execute(out)
         self.num_steps += 1
@@ -271,7 +277,11 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
     if serving:
         assert id(serving[0]) not in preempted_ids, f"oldest request {serving[0].req_id} preempted"
 
-    # decodes first: every running decode gets its token while they all fit and nothing was preempted
+    # decodes first: every running decode gets its token while they all fit and nothing was preempted, except one
+    # that yields to an embedding at risk (slo.yield_decodes): never two steps running, and then not scheduled
+    yielded = {id(r) for r in out.yielded}
+    for r in out.yielded:
+        assert r.is_decoding and r.req_id not in before.yielded, f"decode {r.req_id} yielded two steps running"
     sched = {id(s.req): s.num_new_tokens for s in out.scheduled}
     # (unified-homo: only in its generation steps; its embedding steps run no decode by design)
     embed_step = any(s.req.is_embed for s in out.scheduled) or bool(out.encoder)
@@ -281,4 +291,5 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
     if (not out.preempted and not homo_embed_step
             and len(before.decodes) <= min(cfg.max_num_batched_tokens, cfg.max_num_seqs - before.reserved)):
         for d in before.decodes:
-            assert sched.get(id(d), 0) >= 1, f"running decode {d.req_id} skipped a step"
+            assert sched.get(id(d), 0) >= 1 or id(d) in yielded, f"running decode {d.req_id} skipped a step"
+    assert not any(id(s.req) in yielded for s in out.scheduled), "a yielding decode was scheduled"

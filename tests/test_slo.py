@@ -151,6 +151,51 @@ def test_an_embedding_target_bounds_every_step_so_an_arrival_waits_at_most_two()
     assert loose.chunks == plain.chunks
 
 
+def _decodes_and_queries(slo: SloConfig) -> FakeEngine:
+    """40 generations decoding (60 ms of a step on the clock) and a 48-token query embedding every 10 steps."""
+    eng = _engine(slo)
+    arrivals = [(0, make_request(f"g{i}", "generate", 8, 120), None) for i in range(40)]
+    arrivals += [(10 * i + 5, make_request(f"e{i}", "embed", 48), None) for i in range(10)]
+    eng.run(arrivals)
+    return eng
+
+
+def test_decodes_yield_a_step_so_an_embedding_at_risk_fits_its_bound():
+    """Issue 37 at 1:9: the decodes in flight alone nearly fill the bound (half of `embed_p95_s`), so without
+    yielding an embedding runs `min_step_tokens` (32) a step over two steps and misses its target; with it, some
+    decodes sit out one step and it finishes in one."""
+    target = 0.16  # a bound of 80 ms: 40 decodes (60 ms) leave 20 ms, the 32-token floor makes a step 92 ms
+    on, off = (_decodes_and_queries(SloConfig(embed_p95_s=target, yield_decodes=y)) for y in (True, False))
+
+    def latencies(eng: FakeEngine) -> list[float]:
+        return [r.finished_time - r.arrival_time for r in eng.requests if r.req_id.startswith("e")]
+
+    assert max(latencies(off)) > target  # two steps: 92 + 76 ms
+    assert len(latencies(on)) == 10 and max(latencies(on)) <= target / 2 + 1e-9, latencies(on)
+    assert off.num_yielded == 0 and 10 <= on.num_yielded <= 10 * 40
+    # the generations pay a step here and there: their last token comes at most 2% later, and a decode's gap is at
+    # most two steps (the contract checks in FakeEngine.step: no decode yields two steps running)
+    last = {eng: max(r.finished_time for r in eng.requests if r.req_id.startswith("g")) for eng in (on, off)}
+    assert last[on] <= 1.02 * last[off], last
+    assert max(_gaps(on)) <= 2 * 0.092 + 1e-9
+
+
+def test_a_decode_never_yields_past_its_inter_token_target():
+    """With `itl_s` as well, a decode yields only where two bounded steps keep its gap within the target."""
+    tight = _decodes_and_queries(SloConfig(embed_p95_s=0.16, itl_s=0.1))  # 2 x 80 ms > 0.1 s: none may yield
+    assert tight.num_yielded == 0 and max(_gaps(tight)) <= 0.1 + 1e-9
+    loose = _decodes_and_queries(SloConfig(embed_p95_s=0.16, itl_s=0.2))
+    assert loose.num_yielded > 0 and max(_gaps(loose)) <= 0.2 + 1e-9
+
+
+def test_no_decode_yields_when_it_would_not_make_the_embedding_fit():
+    """An embedding flood (1,000 long inputs, each over a whole bound) never has decodes sit out: yielding would
+    not make one fit, and it would halve the decodes' rate for as long as the flood lasts."""
+    eng = _engine(SloConfig(embed_p95_s=0.2))
+    eng.run(_flood("embed", 200))
+    assert eng.num_yielded == 0 and all(r.is_finished for r in eng.requests)
+
+
 def test_the_step_bound_is_the_tighter_target_that_applies():
     from orthrus_rag.engine.core.slo import LatencyTargets
 
@@ -188,13 +233,14 @@ def test_prometheus_counts_gaps_and_steps_at_risk():
     metrics = ServerMetrics(SimpleNamespace(observe_steps=lambda observer: None))
     metrics.observe_step(StepStats(0, 0, 0, 3, 0, 3, 0, 3, 0, 1, generate_at_risk=True, time_capped=True,
                                    decode_gaps=[0.01, 0.05, 0.3]))
-    metrics.observe_step(StepStats(1, 8, 0, 0, 0, 1, 0, 1, 0, 1, embed_at_risk=True))
+    metrics.observe_step(StepStats(1, 8, 0, 0, 0, 1, 0, 1, 0, 1, embed_at_risk=True, num_yielded_decodes=5))
     text = metrics.render().decode()
     assert "orthrus_inter_token_latency_seconds_count 3.0" in text
     assert 'orthrus_inter_token_latency_seconds_bucket{le="0.06"} 2.0' in text
     assert 'orthrus_slo_at_risk_steps_total{kind="generate"} 1.0' in text
     assert 'orthrus_slo_at_risk_steps_total{kind="embed"} 1.0' in text
     assert "orthrus_slo_time_capped_steps_total 1.0" in text
+    assert "orthrus_slo_yielded_decodes_total 5.0" in text
 
 
 def test_targets_are_cli_keys_and_a_bad_one_is_named_by_its_key():

@@ -129,12 +129,14 @@ class SloConfig:
     end-to-end targets: a waiting or part-done request of that kind that has waited `risk_fraction` of its target
     is at risk, and its kind gets the step's residual budget first (the other kind keeps its `min_share`). When
     no target is at risk the remaining-token split decides, as without targets. `embed_p95_s` also holds every
-    step's predicted time to half of it (engine/core/slo.py)."""
+    step's predicted time to half of it (engine/core/slo.py), and with `yield_decodes` a decode may sit out one
+    step so that an embedding at risk fits in that bound (never two steps running, never past `itl_s`)."""
 
     itl_s: float | None = None
     generate_p95_s: float | None = None
     embed_p95_s: float | None = None
     risk_fraction: float = 0.5
+    yield_decodes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("itl_s", "generate_p95_s", "embed_p95_s"):

@@ -414,7 +414,8 @@ def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_runn
     return StepStats(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
                      len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
                      kv_blocks_used, embed_at_risk=sched.embed_at_risk, generate_at_risk=sched.generate_at_risk,
-                     time_capped=sched.time_capped, predicted_step_time=sched.predicted_s)
+                     time_capped=sched.time_capped, num_yielded_decodes=len(sched.yielded),
+                     predicted_step_time=sched.predicted_s)
 
 
 # ---- the loop around the engine -----------------------------------------------------------------------------

@@ -185,7 +185,7 @@ class _Tracker:
         steps = [{"t": round(t - self.t0, 4), "embed": s.num_embed_tokens, "prefill": s.num_prefill_tokens,
                   "decode": s.num_decode_tokens, "encoder": s.num_encoder_tokens, "step_time": s.step_time,
                   "gaps": [round(g, 5) for g in s.decode_gaps], "time_capped": s.time_capped,
-                  "embed_at_risk": s.embed_at_risk, "generate_at_risk": s.generate_at_risk,
+                  "yielded": s.num_yielded_decodes, "embed_at_risk": s.embed_at_risk, "generate_at_risk": s.generate_at_risk,
                   "predicted_step_time": s.predicted_step_time}
                  for t, s in list(self.step_log)]
         return RunResult(label, window_s, self.records, steps, cpu)
@@ -271,6 +271,7 @@ def summarize(result: RunResult) -> dict:
             itl_p50_s=float(np.percentile(gaps, 50)) if len(gaps) else None,
             itl_p95_s=float(np.percentile(gaps, 95)) if len(gaps) else None,
             itl_max_s=float(gaps.max()) if len(gaps) else None,
+            yielded_decodes=sum(s.get("yielded", 0) for s in result.steps),
             **{f"{key}_frac": sum(bool(s.get(key)) for s in result.steps) / n
                for key in ("time_capped", "embed_at_risk", "generate_at_risk")})
     out["cpu_mean_pct"] = float(np.mean([c for _, c in result.cpu])) if result.cpu else None

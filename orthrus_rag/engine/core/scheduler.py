@@ -45,6 +45,7 @@ class SchedulerOutput:
     embed_at_risk: bool = False
     generate_at_risk: bool = False
     time_capped: bool = False
+    yielded: list[Request] = field(default_factory=list)  # decodes that sat out this step (slo.yield_decodes)
     # the step-cost model's seconds for the step as scheduled (None without a model): beside the measured time it
     # shows whether sizing under- or overpredicts
     predicted_s: float | None = None
@@ -98,6 +99,7 @@ class Scheduler(SchedulerQueues):
         # target that bounds step time)
         self._cap = config.max_num_batched_tokens  # this step's budget (<= max_num_batched_tokens)
         self._admission_blocked = False
+        self._yielded: set[str] = set()  # ids of the decodes that sat out the previous step: not two in a row
         # the step's time bound and token cap from the cost model and latency targets (step_sizing.py)
         self.sizing = StepSizer(config, cost_model if config.cost_budget is not False
                                 and self.policy.sizes_steps_by_cost else None, self.targets, decode_margin)
@@ -258,6 +260,7 @@ class Scheduler(SchedulerQueues):
                 allow_embed, allow_generate = allow_generate, allow_embed
             out = self._schedule(allow_embed, allow_generate, reserve=False)
             out.preempted = preempted + out.preempted
+        self._yielded = {r.req_id for r in out.yielded}
         return out
 
     def _schedule(self, allow_embed: bool, allow_generate: bool, reserve: bool = True) -> SchedulerOutput:
@@ -271,7 +274,12 @@ class Scheduler(SchedulerQueues):
             max_decodes = cfg.max_num_seqs - (self.policy.reserved_seqs(self) if reserve else 0)
             # NOTE: bulk decodes last: they take what slots and budget the serving ones leave
             decodes = [r for r in self.running if r.is_decoding]
-            for req in [r for r in decodes if not r.is_bulk] + [r for r in decodes if r.is_bulk]:
+            decodes = [r for r in decodes if not r.is_bulk] + [r for r in decodes if r.is_bulk]
+            if allow_embed:
+                out.yielded = self._yielding(decodes[:max_decodes])
+                sitting = {id(r) for r in out.yielded}
+                decodes = [r for r in decodes if id(r) not in sitting]
+            for req in decodes:
                 if self._budget_left(out) < 1 or len(out.scheduled) >= max_decodes:
                     break
                 if req in self.running:
@@ -303,6 +311,18 @@ class Scheduler(SchedulerQueues):
         if self.cost_model is not None:
             out.predicted_s = self.cost_model.predict(out.shape())
         return out
+
+    def _yielding(self, decodes: list[Request]) -> list[Request]:
+        """Decodes that sit out this step for the embeddings at risk (slo.yield_decodes, step_sizing.py); none
+        while a generation target is at risk, or without targets."""
+        if self.targets is None or self.sizing.cost_model is None:
+            return []
+        bound = self.targets.step_time_bound(with_decodes=True)
+        if bound is None or self.targets.at_risk(self.pending(embed=False), False, self.now, bound):
+            return []
+        late = self.targets.late(self.pending(embed=True), True, self.now, bound)
+        return self.sizing.yielding_decodes(decodes, late, bool(self.pending(embed=False)), self._yielded,
+                                            self.running, self.now)
 
     def _top_up(self, req: Request, left: int, out: SchedulerOutput) -> None:
         s = next((s for s in out.scheduled if s.req is req), None)

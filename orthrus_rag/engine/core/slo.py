@@ -1,7 +1,7 @@
 """Per-kind latency targets (`scheduler.slo`, config/engine.py SloConfig): the one owner of what "at risk" means
 and of the step-time bounds that keep a decode's inter-token time and an embedding's latency under their targets.
 
-Three mechanisms, each off until its target is set:
+Four mechanisms, each off until its target is set:
 - `itl_s`: a step that carries decodes is sized by the step-cost model (engine/core/step_cost.py) so its predicted
   time stays within the target, whatever the embedding queue holds.
 - `embed_p95_s` also bounds every step's predicted time, to half the target: an embedding that arrives while a
@@ -13,6 +13,12 @@ Three mechanisms, each off until its target is set:
   waited `risk_fraction` of its kind's end-to-end target by the end of the step being scheduled is at risk; the
   policy (engine/core/policies.py) then fills that kind first, with all of the residual budget but the other
   kind's `min_share`.
+
+- `yield_decodes` (on by default, with `embed_p95_s`): where the decodes in flight alone leave no room in the
+  step's bound for the next chunk of each embedding at risk, some decodes sit out the step (step_sizing.py
+  `yielding_decodes`). A decode yields at most one step in two, and never past `itl_s`. Measured before it (issue
+  37, 1:9 on 2 cores): ~26 decodes filled a 60 ms bound, so an embedding ran 32 tokens a step over 2-3 steps
+  while the generations' own p95 was half the separate servers'.
 
 None takes work away when nothing is at risk: the step stays as large as its budget and the remaining-token split
 decides (work-conserving). Deadlines count from a request's arrival, so a request that waited in the queue is at
@@ -43,6 +49,14 @@ class LatencyTargets:
     def target(self, embed: bool) -> float | None:
         """The end-to-end target of a kind (None: none)."""
         return self.config.embed_p95_s if embed else self.config.generate_p95_s
+
+    def late(self, pending: list[Request], embed: bool, now: float, horizon: float) -> list[Request]:
+        """The requests of `pending` at risk by the end of a step of `horizon` seconds (the rule of `at_risk`, for
+        each request rather than the oldest), in `pending`'s order."""
+        target = self.target(embed)
+        if target is None:
+            return []
+        return [r for r in pending if now - r.arrival_time + horizon >= self.config.risk_fraction * target]
 
     def at_risk(self, pending: list[Request], embed: bool, now: float, horizon: float = 0.0) -> bool:
         """Whether the oldest of a kind's pending requests will have waited `risk_fraction` of its kind's target

@@ -64,6 +64,8 @@ class ServerMetrics:
                                "(scheduler.slo) was at risk, by kind", ["kind"], registry=r)
         self.time_capped = Counter("orthrus_slo_time_capped_steps", "Engine steps a latency target's time bound "
                                    "(scheduler.slo.itl_s, embed_p95_s) cut below their token budget", registry=r)
+        self.yielded = Counter("orthrus_slo_yielded_decodes", "Decodes that sat out a step so that an embedding at "
+                               "risk fit in its time bound (scheduler.slo.yield_decodes)", registry=r)
         self._pending = pending
         self._num_steps = self._num_mixed = 0
         self._blocks = block_manager
@@ -103,6 +105,8 @@ class ServerMetrics:
             self.at_risk.labels("generate").inc()
         if stats.time_capped:
             self.time_capped.inc()
+        if stats.num_yielded_decodes:
+            self.yielded.inc(stats.num_yielded_decodes)
         if stats.num_prefix_hit_tokens > 0:  # NOTE: a preempted request's hits return (a negative step count)
             self.prefix_hits.inc(stats.num_prefix_hit_tokens)
 

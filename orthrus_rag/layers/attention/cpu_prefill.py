@@ -23,6 +23,11 @@ Where the CPU has AMX, bf16 keeps SDPA too: torch's flash attention packs its bl
 oneDNN's brgemm) and ran 1.7-2.9x this kernel's AVX512-BF16 body on an AMX Xeon core, a 1,536-token prefill
 1.69x the engine's tokens/s with the kernel (BENCHMARKS.md, session 25). `prefill_kernel_runs` says whether the
 kernel can run here (its tests and benchmark); `prefill_kernel_available`, whether the engine takes it.
+
+Except in steps whose every chunk is short (`short_chunks`: at most `AMX_SHORT_KEYS` keys): there the kernel
+keeps the step in the C++ layer loop and spares SDPA's per-call set-up, and a step of backbone embeddings ran
+1.09-1.30x faster on it than on SDPA (45- to 224-token inputs, one AMX Xeon core; 1.32x on two at 45). A single
+256-token chunk, and chunks after a cached prefix, stay on SDPA (BENCHMARKS.md, session 26).
 """
 
 from __future__ import annotations
@@ -55,6 +60,24 @@ def prefill_kernel_runs(dtype: torch.dtype, head_dim: int) -> bool:
 def sdpa_runs_on_amx(dtype: torch.dtype) -> bool:
     """bf16 on a CPU with AMX: torch's SDPA runs on AMX tiles there, faster than the kernel (see the module)."""
     return dtype == torch.bfloat16 and "amx_bf16" in machine.cpu_flags()
+
+
+# the longest chunk (cached keys + new tokens) of a step that bf16 on AMX attends on the kernel: measured in the
+# engine on one AMX Xeon core, steps of 224-key embeddings ran 1.09x faster on the kernel, of one 256-token
+# chunk 1.08x slower
+AMX_SHORT_KEYS = 224
+
+
+def short_chunks_kernel(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the engine takes the kernel for steps of short chunks only (`short_chunks`) though not for all: bf16
+    on AMX, where the kernel runs."""
+    return sdpa_runs_on_amx(dtype) and prefill_kernel_runs(dtype, head_dim)
+
+
+def short_chunks(query_lens: list[int], context_lens: list[int]) -> bool:
+    """Whether every chunk of a step (a sequence with more than one new token) attends at most `AMX_SHORT_KEYS`
+    keys."""
+    return all(c + q <= AMX_SHORT_KEYS for q, c in zip(query_lens, context_lens) if q > 1)
 
 
 def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
