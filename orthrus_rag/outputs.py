@@ -126,7 +126,8 @@ class StepStats:
     # prompt tokens this step's admissions found in the prefix cache (net of preempted ones' returned hits)
     num_prefix_hit_tokens: int = 0
     # latency targets (scheduler.slo): the kinds at risk when the step was shared, whether a target's time bound
-    # cut the step below its token budget, how many decodes yielded to embeddings, and each sampled token's gap since its request's previous token
+    # cut the step below its token budget, how many decodes yielded to embeddings, and each sampled token's gap
+    # since its request's previous token
     embed_at_risk: bool = False
     generate_at_risk: bool = False
     time_capped: bool = False

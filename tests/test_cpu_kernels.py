@@ -161,7 +161,8 @@ def test_bf16_on_amx_attends_steps_of_short_chunks_on_the_kernel(monkeypatch):
     _needs_bf16_kernel()
     flags = machine._proc_flags()
     monkeypatch.setattr(machine, "_proc_flags", lambda: flags | {"amx_bf16", "amx_tile"})
-    assert cpu_prefill.short_chunks_kernel(torch.bfloat16, 64) and not cpu_prefill.short_chunks_kernel(torch.float32, 64)
+    assert cpu_prefill.short_chunks_kernel(torch.bfloat16, 64)
+    assert not cpu_prefill.short_chunks_kernel(torch.float32, 64)
     assert cpu_prefill.short_chunks([45, 1, 224], [0, 300, 0])  # a decode's long context does not count
     assert not cpu_prefill.short_chunks([64, 8], [448, 0]) and not cpu_prefill.short_chunks([256], [0])
     eng = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16", max_num_batched_tokens=256,

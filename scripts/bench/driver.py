@@ -185,7 +185,8 @@ class _Tracker:
         steps = [{"t": round(t - self.t0, 4), "embed": s.num_embed_tokens, "prefill": s.num_prefill_tokens,
                   "decode": s.num_decode_tokens, "encoder": s.num_encoder_tokens, "step_time": s.step_time,
                   "gaps": [round(g, 5) for g in s.decode_gaps], "time_capped": s.time_capped,
-                  "yielded": s.num_yielded_decodes, "embed_at_risk": s.embed_at_risk, "generate_at_risk": s.generate_at_risk,
+                  "yielded": s.num_yielded_decodes, "embed_at_risk": s.embed_at_risk,
+                  "generate_at_risk": s.generate_at_risk,
                   "predicted_step_time": s.predicted_step_time}
                  for t, s in list(self.step_log)]
         return RunResult(label, window_s, self.records, steps, cpu)

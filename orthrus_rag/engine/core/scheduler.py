@@ -275,8 +275,10 @@ class Scheduler(SchedulerQueues):
             # NOTE: bulk decodes last: they take what slots and budget the serving ones leave
             decodes = [r for r in self.running if r.is_decoding]
             decodes = [r for r in decodes if not r.is_bulk] + [r for r in decodes if r.is_bulk]
-            if allow_embed:
-                out.yielded = self._yielding(decodes[:max_decodes])
+            if allow_embed and self.targets is not None:
+                out.yielded = self.sizing.yielding_decodes(decodes[:max_decodes], self.pending(embed=True),
+                                                           self.pending(embed=False), self._yielded, self.running,
+                                                           self.now)
                 sitting = {id(r) for r in out.yielded}
                 decodes = [r for r in decodes if id(r) not in sitting]
             for req in decodes:
@@ -311,18 +313,6 @@ class Scheduler(SchedulerQueues):
         if self.cost_model is not None:
             out.predicted_s = self.cost_model.predict(out.shape())
         return out
-
-    def _yielding(self, decodes: list[Request]) -> list[Request]:
-        """Decodes that sit out this step for the embeddings at risk (slo.yield_decodes, step_sizing.py); none
-        while a generation target is at risk, or without targets."""
-        if self.targets is None or self.sizing.cost_model is None:
-            return []
-        bound = self.targets.step_time_bound(with_decodes=True)
-        if bound is None or self.targets.at_risk(self.pending(embed=False), False, self.now, bound):
-            return []
-        late = self.targets.late(self.pending(embed=True), True, self.now, bound)
-        return self.sizing.yielding_decodes(decodes, late, bool(self.pending(embed=False)), self._yielded,
-                                            self.running, self.now)
 
     def _top_up(self, req: Request, left: int, out: SchedulerOutput) -> None:
         s = next((s for s in out.scheduled if s.req is req), None)

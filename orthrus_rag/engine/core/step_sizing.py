@@ -75,37 +75,34 @@ class StepSizer:
         chunks = [r.num_computed_tokens for r in running if not r.is_decoding]
         return (sum(chunks) / len(chunks) if chunks else 0.0) + self.config.max_chunk_tokens / 2
 
-    def yielding_decodes(self, decodes: list[Request], late: list[Request], prompts_pending: bool,
+    def yielding_decodes(self, decodes: list[Request], embeds: list[Request], prompts: list[Request],
                          yielded_before: set[str], running: list[Request], now: float) -> list[Request]:
         """The decodes (of `decodes`, in keep order: the last yield first) that sit out this step so that the next
-        chunk of each embedding at risk (`late`) fits in the step's time bound (slo.py, `yield_decodes`). None
-        yields where all fit anyway, or where even yielding every decode that may would not make them fit (an
-        embedding flood: steps stay full of decodes, as without the rule). A decode may yield if it did not in
-        the previous step (`yielded_before`), and where `itl_s` is set, only if two bounded steps keep its gap
-        within it."""
+        chunk of each pending embedding at risk (of `embeds`) fits in the step's time bound (slo.py,
+        `yield_decodes`). None yields while a pending prompt (of `prompts`) is at risk, where all fit anyway, or
+        where even yielding every decode that may would not make them fit (an embedding flood: steps stay full of
+        decodes, as without the rule). A decode may yield if it did not in the previous step (`yielded_before`),
+        and where `itl_s` is set, only if two bounded steps keep its gap within it."""
         targets, cost = self.targets, self.cost_model
-        if targets is None or cost is None or not targets.config.yield_decodes or not decodes or not late:
+        if targets is None or cost is None or not targets.config.yield_decodes or not decodes:
             return []
         bound = targets.step_time_bound(with_decodes=True)
-        if bound is None:
+        if bound is None or targets.at_risk(prompts, False, now, bound):
+            return []
+        late = targets.late(embeds, True, now, bound)
+        if not late:
             return []
         cfg, itl = self.config, targets.itl_s
-        need = encoder_need = 0
-        for r in late:
-            if r.on_encoder:
-                encoder_need += r.num_tokens
-            else:
-                need += min(r.num_remaining_tokens, cfg.max_chunk_tokens)
-        if prompts_pending:  # NOTE: the policy gives a kind at risk all but the other kind's min_share
+        need = sum(min(r.num_remaining_tokens, cfg.max_chunk_tokens) for r in late if not r.on_encoder)
+        encoder_need = sum(r.num_tokens for r in late if r.on_encoder)
+        if prompts:  # NOTE: the policy gives a kind at risk all but the other kind's min_share
             need = int(need / (1.0 - cfg.min_share)) + 1
         keys = self._keys_per_token(running)
 
-        def shape_of(rows: list[Request]) -> StepShape:
+        def fits(rows: list[Request]) -> bool:
             adapters = [r.adapter_slot for r in rows if r.adapter_slot]
-            return StepShape(len(rows), sum(r.num_computed_tokens + 1 for r in rows), encoder_need, len(adapters),
-                             len(set(adapters)), len(rows))
-
-        def fits(shape: StepShape) -> bool:
+            shape = StepShape(len(rows), sum(r.num_computed_tokens + 1 for r in rows), encoder_need, len(adapters),
+                              len(set(adapters)), len(rows))
             return cost.predict(shape) <= bound and (need == 0 or cost.tokens_within(shape, bound, keys) >= need)
 
         def may_yield(r: Request) -> bool:
@@ -113,24 +110,15 @@ class StepSizer:
                 itl is None or r.last_token_time is None or now - r.last_token_time + 2 * bound <= itl)
 
         kept = [r for r in decodes if not may_yield(r)]
-        shape = shape_of(kept)
-        if not fits(shape) or fits(shape_of(decodes)):
+        if not fits(kept) or fits(decodes):
             return []
         optional = [r for r in decodes if may_yield(r)]
-        adapters = {r.adapter_slot for r in kept if r.adapter_slot}
-        for i, r in enumerate(optional):
-            new_adapter = bool(r.adapter_slot) and r.adapter_slot not in adapters
-            grown = replace(shape, num_tokens=shape.num_tokens + 1,
-                            attention_pairs=shape.attention_pairs + r.num_computed_tokens + 1,
-                            num_adapter_rows=shape.num_adapter_rows + bool(r.adapter_slot),
-                            num_adapters=shape.num_adapters + new_adapter,
-                            num_sampled_rows=shape.num_sampled_rows + 1)
-            if not fits(grown):
-                return optional[i:]
-            shape = grown
-            if r.adapter_slot:
-                adapters.add(r.adapter_slot)
-        return []
+        # the most of `optional` (oldest first) that still fit: a step only grows with its rows, so bisect
+        lo, hi = 0, len(optional)  # kept + optional[:lo] fits, kept + optional[:hi] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(kept + optional[:mid]) else (lo, mid)
+        return optional[lo:]
 
     def horizon(self, out: SchedulerOutput, cap: int, pending_cost: Callable[[], int]) -> float:
         """The step's predicted seconds once filled to `cap`, or with all the pending work (`pending_cost()` budget
