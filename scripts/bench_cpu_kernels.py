@@ -126,6 +126,14 @@ def decode(dtype: torch.dtype, batch: int = 32, layers: int = 30) -> None:
         print(json.dumps(row))
 
 
+def _rotation(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [rows, D] as models/llama.py's rotary embedding makes them (theta 100,000: SmolLM2's)."""
+    inv_freq = 1.0 / (100_000.0 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+    freqs = torch.arange(rows, dtype=torch.float)[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
 def elementwise(dtype: torch.dtype) -> None:
     for rows in (1, 32, 256):
         x, res, w = (torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, HIDDEN).to(dtype),
@@ -134,7 +142,10 @@ def elementwise(dtype: torch.dtype) -> None:
         norm.weight.data = w
         qkv = torch.randn(rows, (H + 2 * KVH) * D).to(dtype)
         q, k = qkv[:, :H * D].view(rows, H, D), qkv[:, H * D:(H + KVH) * D].view(rows, KVH, D)
-        cos, sin = torch.randn(rows, D).to(dtype), torch.randn(rows, D).to(dtype)
+        # NOTE: the model's own cos / signed sin (positions 0..rows-1, SmolLM2's theta): a rotation keeps the
+        # rows' norms through the repeated in-place calls; random ones grew them to inf and NaN within ~100 calls,
+        # and NaN arithmetic timed the fused kernel at ~3.6x its real cost (session 26's 252 us at 256 rows)
+        cos, sin = _rotation(rows, dtype)
         gate, up = torch.randn(rows, 2 * INTER).to(dtype).split(INTER, dim=-1)
         pairs = {
             "add_rms_norm": (lambda: norm(res + x), lambda: cpu_elementwise.add_rms_norm(x, res.clone(), w, 1e-5)),
