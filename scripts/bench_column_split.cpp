@@ -3,37 +3,20 @@
 // every product (its part of each weight, packed on its own, multiplied by oneDNN on that thread alone) and runs
 // rotary and SiLU-and-mul on the columns it wrote; only the two norms split by rows. Products' outputs are copied
 // into shared [T, N] buffers (oneDNN's pointwise op cannot write into a strided output), barriers between ops.
-#include <torch/extension.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+// The engine's own pieces (layers/csrc, on the include path): the packed-product op and the bf16 conversions.
+#include "layer_loop.h"
 #include <omp.h>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 
-using PointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                               c10::string_view, c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
-static const c10::TypedOperatorHandle<PointwiseFn>& pw() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<PointwiseFn>();
-  return op;
-}
 static at::Tensor prod(const at::Tensor& x, const at::Tensor& w) {
-  return pw().call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  return loop_detail::pointwise().call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                                       std::nullopt);
 }
-// bf16 bits <-> float, as layers/csrc/elementwise.h (round to nearest even)
-static inline float ld(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline uint16_t st(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-static uint16_t* B(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+static inline float ld(uint16_t x) { return elementwise::BF16::load(x); }
+static inline uint16_t st(float f) { return elementwise::BF16::store(f); }
+static uint16_t* B(const at::Tensor& t) { return elementwise::bits(t); }
 
 // copy src [T, n] (contiguous) into dst columns [c0, c0 + n) of dst [T, N]
 static void put(const at::Tensor& src, const at::Tensor& dst, int64_t c0) {

@@ -32,13 +32,14 @@ QKV_PARTS, O_PARTS, INTER_PARTS, DOWN_PARTS = (512, 448), (288, 288), (768, 768)
 def _extension():
     from torch.utils.cpp_extension import load
 
-    from orthrus_rag.layers.cpu_extension import CFLAGS
+    from orthrus_rag.layers.cpu_extension import CFLAGS, CSRC, build_name
 
     source = HERE / "bench_column_split.cpp"
-    # NOTE: one build per CPU model and flags, as the engine's extension: -march=native code must not run elsewhere
-    name = f"orthrus_bench_column_split_{machine.machine_key(source.read_text(), *CFLAGS)}"
-    return load(name=name, sources=[str(source)], extra_cflags=CFLAGS + [f"-march={machine.march()}"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    # NOTE: one build per CPU model, flags and sources (its own, and the engine's headers through the engine's
+    # build name): -march=native code must not run elsewhere
+    name = f"orthrus_bench_column_split_{machine.machine_key(source.read_text(), build_name())}"
+    return load(name=name, sources=[str(source)], extra_include_paths=[str(CSRC)],
+                extra_cflags=CFLAGS + [f"-march={machine.march()}"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _layer_chain():
