@@ -16,6 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(kernels() is None, reason="the CPU extension cannot be built here")
 
 
+@pytest.fixture(autouse=True)
+def keep_threads():
+    before = torch.get_num_threads()  # NOTE: the scripts set torch's threads for the whole process
+    yield
+    torch.set_num_threads(before)
+
+
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -50,3 +57,14 @@ def test_the_elementwise_benchmarks_rotary_keeps_its_inputs_finite():
         cpu_elementwise.rotary(q, cos, sin)
     assert torch.isfinite(q).all()
     assert abs(q.float().norm() / norm - 1) < 0.25  # a rotation, up to 300 bf16 roundings (~7% here)
+
+
+def test_the_layer_split_bench_times_both_forms_on_the_split_it_claims(smol_path):
+    # fp32 packed on oneDNN: every x86 CPU runs it (the split form needs packed weights)
+    results = _script("bench_layer_split").main(["--rows", "16", "20", "--decodes", "4", "--context", "40",
+                                                 "--dtype", "float32", "--linear-kernel", "onednn", "--rounds",
+                                                 "1", "--reps", "1"])
+    assert [r["rows"] for r in results] == [16, 20]
+    for r in results:
+        assert len(r["whole_ms"]) == len(r["split_ms"]) == 1 and min(r["whole_ms"] + r["split_ms"]) > 0
+        assert r["dtype"] == "float32" and r["max_abs_diff"] < 1e-3

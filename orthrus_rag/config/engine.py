@@ -53,6 +53,10 @@ class ModelConfig:
     # on CPU, with cpu_fused_kernels: the decoder's layers in one C++ call per step (no Python between the
     # kernels; adapter rows too, under lora_kernel=auto); else the Python loop of the same kernels
     cpu_layer_loop: bool = True
+    # on CPU, with cpu_layer_loop and packed weights, at two or more threads: steps of 256+ rows without adapter
+    # rows run each thread on its own output columns of every product (layers/cpu_layer_split.py; a second packed
+    # copy of the layers' weights)
+    cpu_layer_split: bool = True
     # on CPU: the sampler's draw from each row's probabilities in a C++ kernel (else an fp64 cumsum in torch),
     # and greedy rows' argmax (else torch.argmax, ~4x slower on a 49k vocabulary)
     cpu_sample_kernel: bool = True

@@ -14,6 +14,9 @@ adapted projection adds them through the LoRA kernel (layers/lora_fused.py, whic
 layers' arguments; `lora_kernel=per_slot` / `stacked` keep the Python loop; full-delta norms keep it too, since
 the fused norms are off there), no autograd, and every attention group of the step's plan on the C++ kernels
 (`grouped.kernel_plan`); any other step takes the Python loop. `cpu_layer_loop=false` turns it off.
+
+At two or more threads, steps of many rows without adapter rows take its column-split form (cpu_layer_split.py):
+each thread on its own output columns of every product. That form equals this loop to the dtype's rounding.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 from orthrus_rag.layers import linear, lora_fused
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
+from orthrus_rag.layers.cpu_layer_split import SPLIT_FROM, SplitParts
 from orthrus_rag.layers.lora_fused import LoRAGroup
 
 _NO_BIAS = torch.empty(0)  # csrc/layer_loop.h reads a zero-element bias as "none"
@@ -71,9 +75,12 @@ class LayerLoop:
     def __init__(self, model: nn.Module) -> None:  # NOTE: a models/llama.py DecoderModel
         self.model = model
         self._weights: list[torch.Tensor] | None = None
-        # (linear.GENERATION, lora_fused.GENERATION) the arguments were gathered at
-        self._built_for: tuple[int, int] | None = None
+        # (linear.GENERATION, lora_fused.GENERATION, threads) the arguments were gathered at
+        self._built_for: tuple[int, int, int] | None = None
         self._adapters, self._adapters_ok = _NO_ADAPTERS, True
+        # the column-split form (cpu_layer_split.py) for steps of at least split_from rows; `split_steps` counts them
+        self.split, self.split_from, self.split_steps = True, SPLIT_FROM, 0
+        self._parts: SplitParts | None = None
         # NOTE: the packed weights' op as the C++ names its signature (a torch without it: dense weights only)
         self._pointwise = bool(kernels().layer_loop_pointwise())
 
@@ -108,6 +115,10 @@ class LayerLoop:
         self._weights = weights
         self._adapters, self._adapters_ok = _encode([g for layer in model.layers for g in _groups(layer)],
                                                     weights[0].dtype)
+        threads = torch.get_num_threads()
+        # NOTE: the parts are packed like the whole weights, so only where those are (a second copy of the layers)
+        self._parts = (SplitParts(model, threads) if self.split and self.packed and threads > 1
+                       and linear.blocked_packing() else None)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor | None:
@@ -121,7 +132,7 @@ class LayerLoop:
         plan = kernel_plan(ctx.attn) if kernel_plan is not None else None
         if plan is None:
             return None
-        built_for = (linear.GENERATION[0], lora_fused.GENERATION[0])
+        built_for = (linear.GENERATION[0], lora_fused.GENERATION[0], torch.get_num_threads() if self.split else 0)
         if self._built_for != built_for:
             self._gather()
             self._built_for = built_for
@@ -133,7 +144,12 @@ class LayerLoop:
         slot_mapping, chunks, groups, q_all, identity = plan
         caches = [c for kv in ctx.kv_caches for c in kv]
         lora_w, lora_ints, lora_scales = self._adapters if ctx.lora_rows else _NO_ADAPTERS
+        parts = self._parts
+        split = (parts is not None and self.split and not ctx.lora_rows
+                 and h.shape[0] >= max(self.split_from, self.packed_from))
+        self.split_steps += split
         return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,
                                     self.packed_w, self.packed_from, self.scale, slot_mapping, chunks, groups, q_all,
                                     identity, lora_w, lora_ints, lora_scales, [s for s, _ in ctx.lora_rows],
-                                    [r for _, r in ctx.lora_rows])
+                                    [r for _, r in ctx.lora_rows], parts.tensors if split else [],
+                                    parts.cols if split else [])

@@ -79,6 +79,19 @@ def onednn_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | No
     return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), w, b.to_mkldnn()).to_dense()
 
 
+def blocked_packing() -> bool:
+    """Whether this torch packs weights in oneDNN's blocked layout and multiplies by them (`pack_weight`)."""
+    return _REORDER is not None
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] (contiguous) in oneDNN's blocked layout, as `onednn_linear` multiplies by it."""
+    if _REORDER is None:
+        raise RuntimeError("this torch has no mkldnn._reorder_linear_weight / _linear_pointwise")
+    check_packable(weight.dtype)
+    return _REORDER(weight)
+
+
 def packed_from(module: nn.Module) -> int:
     """The row count from which `linear` multiplies by `module`'s oneDNN copy (fewer rows take the dense weight)."""
     return getattr(module, "_onednn_from", 1)

@@ -79,6 +79,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
     _pack(mc.linear_kernel, model, encoder, mc.torch_dtype, mc.device)
     if mc.cpu_layer_loop and getattr(model.model, "fused_norms", False) and not model.use_cpu_layer_loop():
         logger.info("cpu_layer_loop: %s's layers keep the Python loop", type(model).__name__)
+    if (loop := getattr(model.model, "layer_loop", None)) is not None:
+        loop.split = mc.cpu_layer_split
     return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling)
 
 

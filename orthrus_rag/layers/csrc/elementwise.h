@@ -77,13 +77,14 @@ void rotary(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t s_row, int64
   });
 }
 
+// out's rows `os` apart (the column-split loop writes each thread's columns of the step's [T, I] in place)
 template <typename K, typename T = typename K::S>
-void silu_mul(const T* gate, int64_t gs, const T* up, int64_t us, T* out, int64_t rows, int64_t n) {
+void silu_mul(const T* gate, int64_t gs, const T* up, int64_t us, T* out, int64_t os, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate + r * gs;
       const T* u = up + r * us;
-      T* o = out + r * n;
+      T* o = out + r * os;
 #pragma omp simd
       for (int64_t d = 0; d < n; ++d) {
         const float a = K::load(g[d]);
@@ -144,9 +145,9 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   auto out = torch::empty(gate.sizes(), gate.options());
   if (gate.scalar_type() == torch::kFloat)
     elementwise::silu_mul<elementwise::F32>(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0),
-                                 out.data_ptr<float>(), gate.size(0), gate.size(1));
+                                 out.data_ptr<float>(), gate.size(1), gate.size(0), gate.size(1));
   else
     elementwise::silu_mul<elementwise::BF16>(bits(gate), gate.stride(0), bits(up), up.stride(0), bits(out),
-                                             gate.size(0), gate.size(1));
+                                             gate.size(1), gate.size(0), gate.size(1));
   return out;
 }

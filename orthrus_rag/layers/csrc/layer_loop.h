@@ -5,33 +5,10 @@
 #include "prefill_attention.h"
 #include "elementwise.h"
 #include "lora.h"
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <optional>
+#include "packed_product.h"
+#include "layer_split.h"
 
 namespace loop_detail {
-// mkldnn::_linear_pointwise, what linear.onednn_linear calls from Python: a dense input against a weight packed in
-// oneDNN's blocked layout (layers/linear.py). Looked up once; each call is then one unboxed dispatch.
-// NOTE: c10::string_view, not std::string_view: the two are one type only in recent torch (typed<> checks it)
-using PointwiseFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                               c10::string_view, c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
-
-inline const c10::TypedOperatorHandle<PointwiseFn>& pointwise() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<PointwiseFn>();
-  return op;
-}
-
-// A bias of zero elements stands for "none" (pybind's vector of tensors has no None).
-inline std::optional<at::Tensor> bias(const at::Tensor& b) {
-  return b.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(b);
-}
-
-// x times the packed weight `pw` where there is one (defined), else the dense `w`; the same bias either way.
-inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor* pw, const at::Tensor& b) {
-  if (pw) return pointwise().call(x, *pw, bias(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
-  return at::linear(x, w, bias(b));
-}
-
 constexpr int64_t kWeights = 10;  // per layer, in this order:
 enum { kQkvW, kQkvB, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNextNorm };
 constexpr int64_t kGroup = 3;  // per decode group: q_rows, key_slots [G, W], lengths [G]
@@ -94,7 +71,8 @@ bool layer_loop_pointwise() {
 // q_len, ctx_len, key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in
 // order, so its queries are q itself; identity: the plan's one such group and no chunks, so its output is the layer's).
 // shape: heads, KV heads, head dim, intermediate size. The adapters (Adapters above: empty where the step has no
-// adapter rows). Returns the last norm's output [T, N].
+// adapter rows). split_w / split_cols: the column-split form's parts (layer_split.h), or empty: the loop as above.
+// Returns the last norm's output [T, N].
 torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
                          std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, std::vector<double> eps,
                          std::vector<int64_t> windows, std::vector<int64_t> shape,
@@ -103,7 +81,8 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
                          std::vector<torch::Tensor> groups, std::vector<int64_t> q_all, bool identity,
                          std::vector<torch::Tensor> lora_w, std::vector<int64_t> lora_ints,
                          std::vector<double> lora_scales, std::vector<int64_t> lora_slots,
-                         std::vector<torch::Tensor> lora_rows) {
+                         std::vector<torch::Tensor> lora_rows, std::vector<torch::Tensor> split_w,
+                         std::vector<int64_t> split_cols) {
   using namespace loop_detail;
   // NOTE: a whole forward: other Python threads (the server's event loop) run meanwhile, as they did beside the
   // Python loop's torch ops; the arguments are C++ values by now, and an exception re-takes the GIL on its way out
@@ -120,19 +99,57 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
   TORCH_CHECK(packed_w.empty() || static_cast<int64_t>(packed_w.size()) == 4 * L, "layer_loop: packed weights");
   const bool use_packed = !packed_w.empty() && T >= packed_from;
   Adapters adapters{lora_w, lora_ints, lora_scales, lora_slots, lora_rows};
+  // the column-split form (layer_split.h) where Python passes its parts: a step without adapter rows
+  const split_detail::Parts parts{split_w, split_cols};
+  const bool split = !split_cols.empty();
+  const bool bf16 = h.scalar_type() == torch::kBFloat16;
+  split_detail::Buffers buffers;
+  at::Tensor qkv_buffer;
+  if (split) {
+    TORCH_CHECK(lora_ints.empty(), "layer_loop: the column-split form takes no adapter rows");
+    // NOTE: the split form's kernels take raw pointers: what the whole form's kernel wrappers check, checked here
+    TORCH_CHECK(h.is_contiguous() && residual.is_contiguous() && cos.is_contiguous() && ssin.is_contiguous() &&
+                (bf16 || h.scalar_type() == torch::kFloat) && residual.sizes() == h.sizes() &&
+                cos.size(0) == T && cos.size(1) == D && ssin.sizes() == cos.sizes(), "layer_loop: column-split inputs");
+    for (const auto& t : {residual, cos, ssin})
+      TORCH_CHECK(t.scalar_type() == h.scalar_type(), "layer_loop: column-split inputs in one dtype");
+    for (int64_t l = 0; l < L; ++l)
+      for (const int64_t j : {kPostNorm, kNextNorm}) {
+        const auto& nw = weights[l * kWeights + j];
+        TORCH_CHECK(nw.is_contiguous() && nw.numel() == h.size(1) && nw.scalar_type() == h.scalar_type(),
+                    "layer_loop: norm weights");
+      }
+    split_detail::check(parts, L, (H + 2 * KVH) * D, h.size(1), I, D);
+    qkv_buffer = torch::empty({T, (H + 2 * KVH) * D}, h.options());
+    buffers = {torch::empty({T, h.size(1)}, h.options()), torch::empty({T, h.size(1)}, h.options()),
+               torch::empty({T, I}, h.options()), torch::empty({T, h.size(1)}, h.options())};
+  }
+  auto qkv_phase = [&](int64_t layer, const torch::Tensor& input) {
+    return (bf16 ? split_detail::qkv<elementwise::BF16> : split_detail::qkv<elementwise::F32>)(
+        parts, layer, input, qkv_buffer, cos, ssin, (H + KVH) * D, D);
+  };
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + l * kWeights;
     const torch::Tensor* pw = use_packed ? packed_w.data() + 4 * l : nullptr;
     const torch::Tensor& kc = caches[2 * l];
     const torch::Tensor& vc = caches[2 * l + 1];
     const int64_t window = windows[l];
-    auto qkv = project(h, w[kQkvW], pw, w[kQkvB]);
-    adapters.add(h, qkv);
+    torch::Tensor qkv;
+    if (split) {
+      qkv = qkv_buffer;
+      // NOTE: the first layer's Q/K/V in a region of its own; each later one's ends the layer before's region
+      if (l == 0) split_detail::run(parts.count(), {qkv_phase(l, h)});
+    } else {
+      qkv = project(h, w[kQkvW], pw, w[kQkvB]);
+      adapters.add(h, qkv);
+    }
     auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
     auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
     auto v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
-    rotary(q, cos, ssin);
-    rotary(k, cos, ssin);
+    if (!split) {  // NOTE: the split form rotated each part's Q and K heads as it wrote them
+      rotary(q, cos, ssin);
+      rotary(k, cos, ssin);
+    }
     write_kv(k, v, kc, vc, slot_mapping);
     torch::Tensor o;
     if (identity) {
@@ -151,6 +168,14 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
       }
     }
     auto o_in = o.view({T, H * D});
+    if (split) {
+      auto next = torch::empty_like(residual);
+      (bf16 ? split_detail::mlp<elementwise::BF16> : split_detail::mlp<elementwise::F32>)(
+          parts, l, o_in, residual, w[kPostNorm], eps[2 * l], w[kNextNorm], eps[2 * l + 1], buffers, next,
+          l + 1 < L ? qkv_phase(l + 1, next) : std::function<void(int64_t)>());
+      h = next;
+      continue;
+    }
     auto attn = project(o_in, w[kOW], pw ? pw + 1 : nullptr, w[kOB]);
     adapters.add(o_in, attn);
     h = add_rms_norm(attn, residual, w[kPostNorm], eps[2 * l]);

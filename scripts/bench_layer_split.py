@@ -1,0 +1,119 @@
+"""The C++ layer loop with and without its column-split form (layers/cpu_layer_split.py), on whole model steps.
+
+    python scripts/bench_layer_split.py --rows 16 64 256 512          # two threads, the engine's dtype (auto)
+    python scripts/bench_layer_split.py --rows 256 --decodes 16        # chunks beside decodes over a long context
+
+Loads the model as the engine does (packing, fused kernels, the layer loop), builds steps of `--rows` rows: chunks
+of `--chunk` tokens from position 0 (the ratio sweep's embeddings and prompts: 16-48 words), optionally beside
+`--decodes` decodes over `--context` cached tokens, and times the decoder's forward on them with the split form on
+and off, alternated `--rounds` times in one run. Prints one JSON line per row count: ms per step of each form, their
+ratio, and the largest difference between the two forms' hidden states (0 where every part's product gave the
+whole product's bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from orthrus_rag import Engine
+from orthrus_rag.layers.attention import cpu_prefill, grouped
+from orthrus_rag.layers.context import ForwardContext, build_metadata, forward_context
+
+BLOCK = 16
+
+
+class Step:
+    """One step's inputs and fresh caches: chunks of `chunk` tokens filling `rows` rows (less the decodes), and
+    `decodes` one-token decodes after `context` cached tokens."""
+
+    def __init__(self, model, rows: int, chunk: int, decodes: int, context: int) -> None:
+        att = model.attention_layers[0]
+        dtype = model.lm_head.weight.dtype
+        chunk_rows = rows - decodes
+        q_lens = [min(chunk, chunk_rows - s) for s in range(0, chunk_rows, chunk)] + [1] * decodes
+        ctx = [0] * (len(q_lens) - decodes) + [context] * decodes
+        tables, block = [], 0
+        for q, c in zip(q_lens, ctx):
+            need = math.ceil((q + c) / BLOCK)
+            tables.append(list(range(block, block + need)))
+            block += need
+        slots = block * BLOCK
+        self.caches = [(torch.zeros(slots, att.num_kv_heads, att.head_dim, dtype=dtype),
+                        torch.zeros(slots, att.num_kv_heads, att.head_dim, dtype=dtype))
+                       for _ in model.attention_layers]
+        self.meta = build_metadata(q_lens, ctx, tables, [True] * len(q_lens), BLOCK, slots, torch.device("cpu"))
+        self.meta.decode_kernel = True
+        # NOTE: as the runner chooses for steps of short chunks (on AMX, SDPA takes long ones: the Python loop)
+        self.meta.prefill_kernel = cpu_prefill.prefill_kernel_runs(dtype, att.head_dim)
+        self.meta.plan = grouped.plan(self.meta, {a.window for a in model.attention_layers})
+        torch.manual_seed(0)
+        self.ids = torch.randint(0, model.lm_head.weight.shape[0], (rows,))
+
+    def run(self, model) -> torch.Tensor:
+        with torch.inference_mode(), forward_context(ForwardContext(attn=self.meta, attn_backend=grouped,
+                                                                    kv_caches=self.caches)):
+            return model(self.ids, self.meta.positions)
+
+
+def _time(model, step: Step, reps: int) -> tuple[float, torch.Tensor]:
+    out = step.run(model)  # NOTE: a first step gathers the loop's arguments and warms oneDNN's primitive cache
+    start = time.perf_counter()
+    for _ in range(reps):
+        step.run(model)
+    return (time.perf_counter() - start) / reps * 1e3, out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--linear-kernel", default="auto", help="the engine's model.linear_kernel (the split needs packing)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--chunk", type=int, default=32, help="tokens of each chunk from position 0")
+    ap.add_argument("--decodes", type=int, default=0)
+    ap.add_argument("--context", type=int, default=128, help="cached tokens before each decode")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two forms")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, linear_kernel=args.linear_kernel, num_blocks=64,
+                                    max_num_batched_tokens=256)
+    model = engine.runner.model
+    loop = model.model.layer_loop
+    if loop is None:
+        ap.error("this model runs no C++ layer loop here (cpu_layer_loop, or its layers)")
+    loop.split_from = 1  # NOTE: every row count measured in the split form when it is on
+    results = []
+    for rows in args.rows:
+        if not 0 <= args.decodes < rows:
+            ap.error(f"--decodes must be below each row count ({rows})")
+        step = Step(model, rows, args.chunk, args.decodes, args.context)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        outs: dict[bool, torch.Tensor] = {}
+        for _ in range(args.rounds):
+            for split in (False, True):
+                loop.split = split
+                before = loop.split_steps
+                ms, outs[split] = _time(model, step, args.reps)
+                if split and loop.split_steps == before:
+                    ap.error("the split form was not taken (one thread, no packed weights, or the Python loop)")
+                times[split].append(round(ms, 2))
+        result = {"rows": rows, "decodes": args.decodes, "threads": args.threads,
+                  "dtype": str(outs[True].dtype).removeprefix("torch."), "whole_ms": times[False],
+                  "split_ms": times[True],
+                  "speedup_median": round(statistics.median(times[False]) / statistics.median(times[True]), 3),
+                  "max_abs_diff": (outs[True].float() - outs[False].float()).abs().max().item()}
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    main()
