@@ -78,7 +78,8 @@ class Spy:
         return out
 
 
-def _steps(model: CausalLM, steps, prefill_kernel: bool, slots: dict[int, int] | None = None):
+def _steps(model: CausalLM, steps, prefill_kernel: bool, slots: dict[int, int] | None = None,
+           decode_kernel: bool = True):
     """Run `steps` (each a list of (sequence, new tokens)) on fresh caches; the hidden states of every step.
     `slots`: the adapter slot of each sequence that has one (its rows are the step's adapter rows)."""
     layers = model.attention_layers
@@ -93,7 +94,7 @@ def _steps(model: CausalLM, steps, prefill_kernel: bool, slots: dict[int, int] |
         ids = torch.randint(0, 64, (sum(n for _, n in step),))
         meta = build_metadata([n for _, n in step], [done[s] for s, _ in step], [tables[s] for s, _ in step],
                               [True] * len(step), BLOCK, 64, torch.device("cpu"))
-        meta.decode_kernel, meta.prefill_kernel = True, prefill_kernel
+        meta.decode_kernel, meta.prefill_kernel = decode_kernel, prefill_kernel
         meta.plan = grouped.plan(meta, {a.window for a in layers})
         rows: dict[int, list[int]] = {}
         start = 0
@@ -141,10 +142,30 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
         assert torch.equal(g, w)
     for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
-    # chunks run on SDPA without the prefill kernel (fp32, or a CPU without AVX512-BF16): those steps stay Python
-    assert (spy.taken, spy.left) == ((5, 0) if prefill_kernel else (3, 2))
+    # chunks on SDPA where the prefill kernel does not run (bf16 without AVX512-BF16) take the loop too
+    assert (spy.taken, spy.left) == (5, 0)
     if slots:  # and the adapters did change the adapter rows
         assert not torch.equal(_steps(model, STEPS[:1], prefill_kernel)[0][0], got[0])
+
+
+@pytest.mark.parametrize("kind,lora", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "kernel")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode_kernel", [True, False])
+def test_groups_on_sdpa_run_in_the_loop_bit_for_bit(kind, lora, dtype, decode_kernel):
+    """Chunks without the prefill kernel (bf16 after a long prefix on AMX takes SDPA) and, without the decode kernel,
+    decodes: the plan's SDPA groups (padded, masked, windowed on mistral, causal) through the same torch ops from
+    C++, beside the kernels' groups; with adapter rows too."""
+    model = _model(kind, dtype, True if dtype is torch.float32 or PACKED_BF16 else False, lora)
+    slots = {0: 1, 2: 2} if lora else None
+    want, want_caches = _steps(model, STEPS, False, slots, decode_kernel)
+    assert model.use_cpu_layer_loop()
+    spy = model.model.layer_loop = Spy(model.model.layer_loop)
+    got, got_caches = _steps(model, STEPS, False, slots, decode_kernel)
+    assert (spy.taken, spy.left) == (5, 0)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
 
 def test_a_step_with_adapter_rows_on_torchs_ops_or_autograd_keeps_the_python_loop():
@@ -173,10 +194,12 @@ def test_a_step_with_adapter_rows_on_torchs_ops_or_autograd_keeps_the_python_loo
     with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped,
                                                                 kv_caches=caches[:-1])):
         assert loop(h, residual.clone(), cos, sin) is None  # not this model's caches
-    meta.decode_kernel = False  # a decode group on SDPA: the loop calls only the C++ kernels
+    meta.decode_kernel = False  # a decode group on SDPA: the loop runs it through the same torch ops
     meta.plan = grouped.plan(meta, {None})
     with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped, kv_caches=caches)):
-        assert loop(h, residual.clone(), cos, sin) is None
+        assert loop(h, residual.clone(), cos, sin) is not None
+    with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=object(), kv_caches=caches)):
+        assert loop(h, residual.clone(), cos, sin) is None  # a backend without a kernel plan
 
 
 def test_models_with_other_layers_keep_the_python_loop():

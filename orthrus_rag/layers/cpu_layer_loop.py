@@ -12,8 +12,9 @@ It runs a step only when the Python loop would do nothing else: the model's plai
 kernels (`CausalLM.use_cpu_kernels`, fused Q/K/V and gate/up, no per-head norms), adapter rows only where every
 adapted projection adds them through the LoRA kernel (layers/lora_fused.py, which the loop calls with the Python
 layers' arguments; `lora_kernel=per_slot` / `stacked` keep the Python loop; full-delta norms keep it too, since
-the fused norms are off there), no autograd, and every attention group of the step's plan on the C++ kernels
-(`grouped.kernel_plan`); any other step takes the Python loop. `cpu_layer_loop=false` turns it off.
+the fused norms are off there), no autograd, and the grouped attention backend's plan (`grouped.kernel_plan`:
+its groups on the C++ kernels, and those on torch's SDPA through the same torch ops from C++, e.g. bf16 chunks
+after a long prefix on AMX); any other step takes the Python loop. `cpu_layer_loop=false` turns it off.
 
 At two or more threads, steps of many rows without adapter rows take its column-split form (cpu_layer_split.py):
 each thread on its own output columns of every product. That form equals this loop to the dtype's rounding.
@@ -141,7 +142,7 @@ class LayerLoop:
         if (self._weights is None or self._weights[0].dtype != h.dtype or len(ctx.kv_caches) != len(self.windows)
                 or ctx.kv_caches[0][0].dtype != h.dtype):
             return None  # NOTE: the Python loop copes (write_kv casts nothing in C++, it checks)
-        slot_mapping, chunks, groups, q_all, identity = plan
+        slot_mapping, chunks, groups, q_all, identity, sdpa, sdpa_ints, mask_windows = plan
         caches = [c for kv in ctx.kv_caches for c in kv]
         lora_w, lora_ints, lora_scales = self._adapters if ctx.lora_rows else _NO_ADAPTERS
         parts = self._parts
@@ -152,4 +153,4 @@ class LayerLoop:
                                     self.packed_w, self.packed_from, self.scale, slot_mapping, chunks, groups, q_all,
                                     identity, lora_w, lora_ints, lora_scales, [s for s, _ in ctx.lora_rows],
                                     [r for _, r in ctx.lora_rows], parts.tensors if split else [],
-                                    parts.cols if split else [])
+                                    parts.cols if split else [], sdpa, sdpa_ints, mask_windows)

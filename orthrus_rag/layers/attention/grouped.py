@@ -30,6 +30,8 @@ from orthrus_rag.layers.attention.cpu_kernels import decode_attention, write_kv
 from orthrus_rag.layers.attention.cpu_prefill import Chunks, prefill_attention
 from orthrus_rag.layers.context import AttentionMetadata, key_slots
 
+_NONE = torch.empty(0, dtype=torch.long)  # csrc/grouped_sdpa.h reads a zero-element tensor as "none"
+
 # Cost of one group's attention in one layer, in microseconds, for planning (measured on a Xeon core, fp32,
 # SmolLM2 shapes: call overhead incl. gathers ~40 us; gathering + reading one key of K and V ~0.15 us; one
 # (query, key) pair over all heads ~0.025 us). Only the ratios matter: they decide when padding a sequence into
@@ -159,17 +161,30 @@ def plan(meta: AttentionMetadata, windows: set[int | None]) -> GroupedPlan:
     return GroupedPlan(groups, identity, chunks)
 
 
-def kernel_plan(meta: AttentionMetadata) -> tuple | None:
-    """The step's plan as the C++ layer loop takes it (layers/cpu_layer_loop.py): the slot mapping, the prefill
-    kernel's chunks ([] or four tensors), each decode group's rows, [G, W] key slots and lengths, whether each
-    is every row in order, and the plan's `identity`; None if some group runs on SDPA (the loop calls only the
-    C++ kernels)."""
+def kernel_plan(meta: AttentionMetadata) -> tuple:
+    """The step's plan as the C++ layer loop takes it (layers/cpu_layer_loop.py, csrc/layer_loop.h): the slot
+    mapping, the prefill kernel's chunks ([] or four tensors), each decode-kernel group's rows, [G, W] key slots and
+    lengths, whether each is every row in order, the plan's `identity` (a decode-kernel group's only); then the SDPA
+    groups (csrc/grouped_sdpa.h): per group its rows, key slots, valid positions and output rows (empty tensors where
+    unpadded) and one mask per mask window (an empty tensor: none), its ints (sequences, n_max, width, causal,
+    q_all), and the mask windows (-1: none)."""
     p: GroupedPlan = meta.plan
-    if any(g.lengths is None for g in p.groups):
-        return None
     chunks = [] if p.chunks is None else [p.chunks.q_start, p.chunks.q_len, p.chunks.ctx_len, p.chunks.key_slots]
-    groups = [t for g in p.groups for t in (g.q_rows, g.key_slots.view(len(g.seqs), g.width), g.lengths)]
-    return meta.slot_mapping, chunks, groups, [int(g.q_all) for g in p.groups], p.identity
+    kernel = [g for g in p.groups if g.lengths is not None]
+    sdpa_groups = [g for g in p.groups if g.lengths is None]
+    groups = [t for g in kernel for t in (g.q_rows, g.key_slots.view(len(g.seqs), g.width), g.lengths)]
+    windows = sorted({w for g in sdpa_groups for w in g.masks}, key=lambda w: -1 if w is None else w)
+    sdpa: list[torch.Tensor] = []
+    ints: list[int] = []
+    for g in sdpa_groups:
+        sdpa += [g.q_rows, g.key_slots, _NONE if g.valid is None else g.valid,
+                 _NONE if g.out_rows is None else g.out_rows]
+        # NOTE: every SDPA group holds a mask (or None) for each of the plan's windows (grouped._group)
+        sdpa += [_NONE if g.masks.get(w) is None else g.masks[w] for w in windows]
+        ints += [len(g.seqs), g.n_max, g.width, int(g.causal), int(g.q_all)]
+    identity = p.identity and not sdpa_groups
+    return (meta.slot_mapping, chunks, groups, [int(g.q_all) for g in kernel], identity, sdpa, ints,
+            [-1 if w is None else w for w in windows])
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

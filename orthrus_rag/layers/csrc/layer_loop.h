@@ -5,8 +5,10 @@
 #include "prefill_attention.h"
 #include "elementwise.h"
 #include "lora.h"
+#include "grouped_sdpa.h"
 #include "packed_product.h"
 #include "layer_split.h"
+#include <algorithm>
 
 namespace loop_detail {
 constexpr int64_t kWeights = 10;  // per layer, in this order:
@@ -70,7 +72,8 @@ bool layer_loop_pointwise() {
 // (attention/grouped.py's kernel_plan): the step's slot_mapping, the chunks of the prefill kernel (none, or q_start,
 // q_len, ctx_len, key_slots) and the decode-kernel groups (kGroup tensors each; q_all[g]: the group is every row in
 // order, so its queries are q itself; identity: the plan's one such group and no chunks, so its output is the layer's).
-// shape: heads, KV heads, head dim, intermediate size. The adapters (Adapters above: empty where the step has no
+// sdpa / sdpa_ints: the plan's groups on torch's SDPA (grouped_sdpa.h; one mask per entry of mask_windows, -1: the
+// unwindowed one). shape: heads, KV heads, head dim, intermediate size. The adapters (Adapters above: empty where the step has no
 // adapter rows). split_w / split_cols: the column-split form's parts (layer_split.h), or empty: the loop as above.
 // Returns the last norm's output [T, N].
 torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor ssin,
@@ -82,19 +85,25 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
                          std::vector<torch::Tensor> lora_w, std::vector<int64_t> lora_ints,
                          std::vector<double> lora_scales, std::vector<int64_t> lora_slots,
                          std::vector<torch::Tensor> lora_rows, std::vector<torch::Tensor> split_w,
-                         std::vector<int64_t> split_cols) {
+                         std::vector<int64_t> split_cols, std::vector<torch::Tensor> sdpa,
+                         std::vector<int64_t> sdpa_ints, std::vector<int64_t> mask_windows) {
   using namespace loop_detail;
   // NOTE: a whole forward: other Python threads (the server's event loop) run meanwhile, as they did beside the
   // Python loop's torch ops; the arguments are C++ values by now, and an exception re-takes the GIL on its way out
   pybind11::gil_scoped_release no_gil;
   const int64_t L = static_cast<int64_t>(windows.size());
+  const int64_t n_sdpa = static_cast<int64_t>(sdpa_ints.size()) / sdpa_detail::kInts;
+  const int64_t per_sdpa = sdpa_detail::kTensors + static_cast<int64_t>(mask_windows.size());
   TORCH_CHECK(shape.size() == 4 && static_cast<int64_t>(weights.size()) == L * kWeights &&
               static_cast<int64_t>(caches.size()) == 2 * L && static_cast<int64_t>(eps.size()) == 2 * L &&
               (chunks.empty() || chunks.size() == 4) && static_cast<int64_t>(groups.size()) % kGroup == 0 &&
-              groups.size() / kGroup == q_all.size() && !(chunks.empty() && q_all.empty()),
+              groups.size() / kGroup == q_all.size() && !(chunks.empty() && q_all.empty() && n_sdpa == 0) &&
+              static_cast<int64_t>(sdpa_ints.size()) == n_sdpa * sdpa_detail::kInts &&
+              static_cast<int64_t>(sdpa.size()) == n_sdpa * per_sdpa && (n_sdpa == 0 || !mask_windows.empty()),
               "layer_loop: argument counts");
   const int64_t H = shape[0], KVH = shape[1], D = shape[2], I = shape[3], T = h.size(0);
-  TORCH_CHECK(!identity || (chunks.empty() && q_all.size() == 1 && q_all[0] != 0), "layer_loop: identity plan");
+  TORCH_CHECK(!identity || (chunks.empty() && n_sdpa == 0 && q_all.size() == 1 && q_all[0] != 0),
+              "layer_loop: identity plan");
   TORCH_CHECK(lora_slots.size() == lora_rows.size(), "layer_loop: one rows tensor per adapter slot");
   TORCH_CHECK(packed_w.empty() || static_cast<int64_t>(packed_w.size()) == 4 * L, "layer_loop: packed weights");
   const bool use_packed = !packed_w.empty() && T >= packed_from;
@@ -165,6 +174,19 @@ torch::Tensor layer_loop(torch::Tensor h, torch::Tensor residual, torch::Tensor 
         auto queries = q_all[g] ? q : q.index_select(0, rows);
         o.index_copy_(0, rows, decode_attention(queries, kc, vc, groups[g * kGroup + 1], groups[g * kGroup + 2],
                                                 scale, window, false));
+      }
+      if (n_sdpa > 0) {
+        // the layer's mask among each group's: its window's, else the unwindowed one (as grouped._attend picks)
+        const auto at_window = std::find(mask_windows.begin(), mask_windows.end(), window);
+        const auto unwindowed = std::find(mask_windows.begin(), mask_windows.end(), -1);
+        TORCH_CHECK(at_window != mask_windows.end() || unwindowed != mask_windows.end(),
+                    "layer_loop: no mask for a layer's window");
+        const int64_t m = (at_window != mask_windows.end() ? at_window : unwindowed) - mask_windows.begin();
+        for (int64_t g = 0; g < n_sdpa; ++g) {
+          const torch::Tensor* t = sdpa.data() + g * per_sdpa;
+          sdpa_detail::attend(q, kc, vc, t, sdpa_ints.data() + g * sdpa_detail::kInts,
+                              t[sdpa_detail::kTensors + m], scale, o);
+        }
       }
     }
     auto o_in = o.view({T, H * D});
