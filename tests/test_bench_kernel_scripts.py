@@ -62,9 +62,13 @@ def test_the_elementwise_benchmarks_rotary_keeps_its_inputs_finite():
 def test_the_layer_split_bench_times_both_forms_on_the_split_it_claims(smol_path):
     # fp32 packed on oneDNN: every x86 CPU runs it (the split form needs packed weights)
     results = _script("bench_layer_split").main(["--rows", "16", "20", "--decodes", "4", "--context", "40",
+                                                 "--chunk-context", "24", "--python-loop", "--fp32-reference",
                                                  "--dtype", "float32", "--linear-kernel", "onednn", "--rounds",
                                                  "1", "--reps", "1"])
     assert [r["rows"] for r in results] == [16, 20]
     for r in results:
-        assert len(r["whole_ms"]) == len(r["split_ms"]) == 1 and min(r["whole_ms"] + r["split_ms"]) > 0
-        assert r["dtype"] == "float32" and r["max_abs_diff"] < 1e-3
+        assert len(r["whole_ms"]) == len(r["split_ms"]) == len(r["python_ms"]) == 1
+        assert min(r["whole_ms"] + r["split_ms"] + r["python_ms"]) > 0
+        assert r["dtype"] == "float32" and r["max_abs_diff"] < 1e-3 and r["chunk_context"] == 24
+        assert r["python_equals_whole"]  # the C++ loop is the Python loop's result, bit for bit
+        assert r["whole_rel_err_vs_fp32"] == 0 and r["split_rel_err_vs_fp32"] < 1e-5  # fp32 against itself
