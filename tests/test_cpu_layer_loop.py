@@ -227,7 +227,6 @@ def test_a_repacked_layer_is_gathered_again():
 
 def test_the_engine_switch_and_its_tokens(smol_path, smol_tokenizer):
     from orthrus_rag import Engine
-    from orthrus_rag.params import SamplingParams
     from tests.conftest import SMOL, engine_overrides
 
     on = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16"))
@@ -235,12 +234,19 @@ def test_the_engine_switch_and_its_tokens(smol_path, smol_tokenizer):
     assert on.runner.model.model.layer_loop is not None and off.runner.model.model.layer_loop is None
     spy = on.runner.model.model.layer_loop = Spy(on.runner.model.model.layer_loop)
     # NOTE: longer than the test budget (64 tokens): chunks after cached prefixes, beside the other's decodes
-    prompts = [smol_tokenizer("Rivers begin in the mountains, where rain and snow")["input_ids"] * 6,
-               smol_tokenizer("The capital of France is")["input_ids"]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert_same_greedy_tokens(on, off, smol_tokenizer, repeat=6, max_tokens=12)
+    assert spy.taken > 0
+
+
+def assert_same_greedy_tokens(on, off, tokenizer, repeat: int, max_tokens: int) -> None:
+    """Two engines' greedy tokens for a long prompt (a sentence `repeat` times) beside a short one are the same."""
+    from orthrus_rag.params import SamplingParams
+
+    prompts = [tokenizer("Rivers begin in the mountains, where rain and snow")["input_ids"] * repeat,
+               tokenizer("The capital of France is")["input_ids"]]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     got, want = on.generate(prompts, params), off.generate(prompts, params)
     assert [list(r.token_ids) for r in got] == [list(r.token_ids) for r in want]
-    assert spy.taken > 0
 
 
 def test_the_shipped_adapters_rows_take_the_loop_and_its_embeddings(smol_path):

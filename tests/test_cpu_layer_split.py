@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from orthrus_rag.layers.cpu_layer_split import SplitParts, even_parts
-from tests.test_cpu_layer_loop import NO_PACKED_BF16, PACKED_BF16, STEPS, Spy, _model, _steps
+from tests.test_cpu_layer_loop import (NO_PACKED_BF16, PACKED_BF16, STEPS, Spy, _model, _steps,
+                                      assert_same_greedy_tokens)
 
 pytestmark = [pytest.mark.slow, pytest.mark.isa]
 
@@ -108,7 +109,6 @@ def test_parts_that_do_not_tile_a_product_are_refused_before_any_thread_runs():
 def test_the_engine_switch(smol_path, smol_tokenizer):
     """SmolLM2 in fp32 through the engine: the split form's greedy tokens are the whole-weight form's."""
     from orthrus_rag import Engine
-    from orthrus_rag.params import SamplingParams
     from tests.conftest import SMOL, engine_overrides
 
     on = Engine.from_pretrained(SMOL, **engine_overrides(linear_kernel="onednn"))
@@ -116,11 +116,7 @@ def test_the_engine_switch(smol_path, smol_tokenizer):
     assert on.runner.model.model.layer_loop.split and not off.runner.model.model.layer_loop.split
     loop = on.runner.model.model.layer_loop
     loop.split_from = 8
-    prompts = [smol_tokenizer("Rivers begin in the mountains, where rain and snow")["input_ids"] * 3,
-               smol_tokenizer("The capital of France is")["input_ids"]]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    got, want = on.generate(prompts, params), off.generate(prompts, params)
-    assert [list(r.token_ids) for r in got] == [list(r.token_ids) for r in want]
+    assert_same_greedy_tokens(on, off, smol_tokenizer, repeat=3, max_tokens=8)
     assert loop.split_steps > 0
 
 

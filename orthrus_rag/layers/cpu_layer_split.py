@@ -6,9 +6,9 @@ way and the fused kernels split by rows, so every op reads what the other core w
 output columns of every product: a packed part of each weight (Q/K/V at head boundaries, O and down by columns,
 gate/up as the thread's gate columns beside its up columns), multiplied by oneDNN on that thread alone, and runs
 rotary and SiLU-and-mul on the columns it wrote; only a layer's two norms, which read whole rows, split by rows.
-All of a layer's second half runs in one parallel region with barriers between its ops (csrc/layer_split.h);
-attention runs between the halves as the loop runs it. `scripts/bench_column_split.py` timed the chain alone 1.16-1.21x
-faster at 64-512 rows; `scripts/bench_layer_split.py` times whole steps of the model with and without it.
+One parallel region runs a layer from its O product to the next layer's Q/K/V, with barriers between its ops
+(csrc/layer_split.h); attention runs between regions as the loop runs it. Session 27 timed the chain alone
+1.16-1.21x faster at 64-512 rows; `scripts/bench_layer_split.py` times whole steps with and without it.
 
 Which steps take it: those of at least `split_from` rows (packed weights only, the ones the loop multiplies by from
 `packed_from` rows) without adapter rows (those keep the loop's whole-weight form, whose LoRA kernel adds to the
