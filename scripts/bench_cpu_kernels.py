@@ -46,7 +46,7 @@ def _us(fn, reps: int = 50) -> float:
 
 
 def attention(dtype: torch.dtype) -> None:
-    for new, keys in [(32, 32), (256, 256), (512, 512), (64, 512), (256, 1024)]:
+    for new, keys in [(32, 32), (256, 256), (512, 512), (64, 512), (256, 1024), (256, 2304), (16, 2304)]:
         g = torch.Generator().manual_seed(0)
         slots = keys + 16
         k_cache = torch.randn(slots, KVH, D, generator=g).to(dtype)
@@ -74,7 +74,20 @@ def attention(dtype: torch.dtype) -> None:
             row["kernel_us"] = round(_us(kernel), 1)
             row["kernel_err"] = round((out.float() - exact).abs().max().item(), 4)
             row["speedup"] = round(row["sdpa_us"] / row["kernel_us"], 2)
+            row.update(_avx512_bf16_body(dtype, kernel, lambda: (out.float() - exact).abs().max().item()))
         print(json.dumps(row))
+
+
+def _avx512_bf16_body(dtype: torch.dtype, kernel, err=None) -> dict:
+    """Where the kernel's bf16 runs on AMX tiles: the same call on its AVX512-BF16 body, for comparison."""
+    if dtype is not torch.bfloat16 or not cpu_prefill.amx_body():
+        return {}
+    with cpu_prefill.avx512_bf16_body():
+        row = {"avx512_bf16_us": round(_us(kernel, 20), 1)}
+        if err is not None:
+            kernel()
+            row["avx512_bf16_err"] = round(err(), 4)
+    return row
 
 
 def encoder(dtype: torch.dtype, heads: int = 12, dim: int = 32) -> None:
@@ -92,8 +105,10 @@ def encoder(dtype: torch.dtype, heads: int = 12, dim: int = 32) -> None:
         row = {"encoder": f"{name} tokens, {heads} heads of {dim}", "sdpa_us": round(_us(sdpa, 10), 1)}
         if cpu_prefill.prefill_kernel_runs(q.dtype, dim):  # NOTE: where it runs, even if the engine keeps SDPA
             starts, counts = torch.tensor([0, *lens[:-1]]).cumsum(0), torch.tensor(lens)
-            row["kernel_us"] = round(_us(lambda: encoder_attention(q, k, v, starts, counts, dim ** -0.5), 10), 1)
+            kernel = lambda: encoder_attention(q, k, v, starts, counts, dim ** -0.5)  # noqa: E731
+            row["kernel_us"] = round(_us(kernel, 10), 1)
             row["speedup"] = round(row["sdpa_us"] / row["kernel_us"], 2)
+            row.update(_avx512_bf16_body(q.dtype, kernel))
         print(json.dumps(row))
 
 

@@ -28,10 +28,11 @@ NUM_BLOCKS = 96
 SCRATCH = 256
 
 
-def _scenario(seqs: list[tuple[int, int, bool]], heads: int, kv_heads: int, dim: int = 8, seed: int = 0):
+def _scenario(seqs: list[tuple[int, int, bool]], heads: int, kv_heads: int, dim: int = 8, seed: int = 0,
+              num_blocks: int = NUM_BLOCKS):
     """seqs: (cached, new, keeps_kv) per sequence. Returns metadata inputs, q/k/v and caches."""
     rng = random.Random(seed)
-    free = list(range(NUM_BLOCKS))
+    free = list(range(num_blocks))
     rng.shuffle(free)
     tables = []
     for cached, new, keeps in seqs:
@@ -39,12 +40,12 @@ def _scenario(seqs: list[tuple[int, int, bool]], heads: int, kv_heads: int, dim:
         tables.append([free.pop() for _ in range(-(-kept // BLOCK))])
     g = torch.Generator().manual_seed(seed)
     num_tokens = sum(n for _, n, _ in seqs)
-    rows = NUM_BLOCKS * BLOCK + SCRATCH
+    rows = num_blocks * BLOCK + SCRATCH
     k_cache, v_cache = torch.randn(rows, kv_heads, dim, generator=g), torch.randn(rows, kv_heads, dim, generator=g)
     q = torch.randn(num_tokens, heads, dim, generator=g)
     k, v = torch.randn(num_tokens, kv_heads, dim, generator=g), torch.randn(num_tokens, kv_heads, dim, generator=g)
     meta = build_metadata([n for _, n, _ in seqs], [c for c, _, _ in seqs], tables, [kp for _, _, kp in seqs],
-                          BLOCK, NUM_BLOCKS * BLOCK, torch.device("cpu"))
+                          BLOCK, num_blocks * BLOCK, torch.device("cpu"))
     return meta, tables, q, k, v, k_cache, v_cache
 
 

@@ -30,6 +30,20 @@ def _needs_bf16_kernel():
         pytest.skip("this CPU has no AVX512-BF16: chunks keep SDPA there (the grouped backend's own tests)")
 
 
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def bf16_body(request):
+    """Each bf16 body of the kernel that runs here: on an AMX CPU both (the AVX512-BF16 one inside
+    `avx512_bf16_body`), elsewhere the AVX512-BF16 one."""
+    _needs_bf16_kernel()
+    if request.param == "amx" and not cpu_prefill.amx_body():
+        pytest.skip("no AMX tiles here: bf16 runs the AVX512-BF16 body")
+    if request.param == "amx" or not cpu_prefill.amx_body():
+        yield request.param
+        return
+    with cpu_prefill.avx512_bf16_body():
+        yield request.param
+
+
 class _PrefillKernel:
     """The grouped backend with chunks on the prefill kernel and decodes on the decode kernel."""
 
@@ -50,8 +64,7 @@ def _bf16(*tensors):
 @pytest.mark.parametrize("window", [None, 4, 50])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 32), (9, 3, 64), (4, 4, 128)])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_prefill_kernel_is_within_sdpas_own_bf16_error(name, heads, kv_heads, dim, window):
-    _needs_bf16_kernel()
+def test_prefill_kernel_is_within_sdpas_own_bf16_error(name, heads, kv_heads, dim, window, bf16_body):
     meta, _, q, k, v, k_cache, v_cache = _scenario(SCENARIOS[name], heads, kv_heads, dim=dim)
     q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
     exact, _, _ = _run(reference, meta, *[t.float() for t in (q, k, v, k_cache, v_cache)], window)
@@ -66,17 +79,16 @@ def test_prefill_kernel_is_within_sdpas_own_bf16_error(name, heads, kv_heads, di
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
-def test_prefill_kernel_takes_one_long_chunk_over_a_long_cached_prefix():
-    _needs_bf16_kernel()
-    meta, _, q, k, v, k_cache, v_cache = _scenario([(250, 120, True), (0, 1, True)], 9, 3, dim=64)
+@pytest.mark.parametrize("prefix,chunk", [(250, 120), (2100, 70)])
+def test_prefill_kernel_takes_one_long_chunk_over_a_long_cached_prefix(prefix, chunk, bf16_body):
+    meta, _, q, k, v, k_cache, v_cache = _scenario([(prefix, chunk, True), (0, 1, True)], 9, 3, dim=64, num_blocks=600)
     q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
     exact, _, _ = _run(reference, meta, *[t.float() for t in (q, k, v, k_cache, v_cache)], None)
     got, _, _ = _run(_PrefillKernel, meta, q, k, v, k_cache, v_cache, None)
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
 
 
-def test_prefill_kernel_reads_strided_queries_as_they_are():
-    _needs_bf16_kernel()
+def test_prefill_kernel_reads_strided_queries_as_they_are(bf16_body):
     meta, _, q, k, v, k_cache, v_cache = _scenario([(20, 40, True), (0, 9, True)], 9, 3, dim=64)
     q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # the fused projection's output
@@ -132,17 +144,20 @@ def test_the_kernel_takes_fp32_and_bf16_only_and_says_so():
             attend(torch.bfloat16)
 
 
-def test_bf16_chunks_keep_sdpa_on_amx(monkeypatch):
-    """torch's SDPA runs on AMX tiles where the CPU has them, 1.7-2.9x the kernel's AVX512-BF16 body (measured on an
-    AMX Xeon core): the engine keeps SDPA for bf16 there, the kernel only where it pays."""
+def test_bf16_on_amx_takes_the_kernel_where_its_amx_body_runs(monkeypatch):
+    """On an AMX CPU the kernel's AMX body ran 1.5-2.5x torch's SDPA (which runs on AMX tiles there): bf16 takes the
+    kernel. Where that body cannot run (the OS refused the tile state), SDPA, 1.7-2.9x the AVX512-BF16 body there,
+    keeps bf16."""
     from orthrus_rag import machine
 
     flags = machine._proc_flags()
     monkeypatch.setattr(machine, "_proc_flags", lambda: flags | {"amx_bf16", "amx_tile"})
+    runs = cpu_prefill.prefill_kernel_runs(torch.bfloat16, 64)
+    assert cpu_prefill.prefill_kernel_available(torch.bfloat16, 64) is (runs and cpu_prefill.amx_body())
+    monkeypatch.setattr(cpu_prefill, "amx_body", lambda: False)
     assert not cpu_prefill.prefill_kernel_available(torch.bfloat16, 64)
     assert cpu_prefill.prefill_kernel_available(torch.float32, 64)  # fp32: SDPA has no AMX path
     monkeypatch.setattr(machine, "_proc_flags", lambda: flags - {"amx_bf16", "amx_tile", "amx_int8"})
-    runs = cpu_prefill.prefill_kernel_runs(torch.bfloat16, 64)
     assert cpu_prefill.prefill_kernel_available(torch.bfloat16, 64) is runs
     if runs:
         from orthrus_rag.layers.attention.cpu_encoder import encoder_kernel_available
@@ -150,10 +165,21 @@ def test_bf16_chunks_keep_sdpa_on_amx(monkeypatch):
         assert encoder_kernel_available(torch.zeros(2, 12, 32, dtype=torch.bfloat16))
 
 
+def test_the_amx_body_runs_wherever_the_cpu_has_amx():
+    """Built for this CPU (`-march=native`), an AMX CPU gets the AMX body: a build that loses it (a compiler without
+    AMX-BF16, the OS's tile state refused) fails here rather than falling back to the slower bodies unseen."""
+    from orthrus_rag import machine
+
+    native_amx = machine.isa() != "avx2" and {"amx_bf16", "amx_tile"} <= machine._proc_flags()
+    assert cpu_prefill.amx_body() is native_amx
+    assert (cpu_prefill.prefill_kernel_available(torch.bfloat16, 64)
+            is cpu_prefill.prefill_kernel_runs(torch.bfloat16, 64))
+
+
 def test_bf16_on_amx_attends_steps_of_short_chunks_on_the_kernel(monkeypatch):
-    """Where every chunk of a step attends at most AMX_SHORT_KEYS keys, bf16 on AMX takes the kernel (and so the C++
-    layer loop): steps of 45- to 224-token backbone embeddings ran 1.09-1.30x faster than on SDPA on an AMX Xeon
-    core; a 256-token chunk, or one after a cached prefix, keeps SDPA."""
+    """Without the AMX body, where every chunk of a step attends at most AMX_SHORT_KEYS keys, bf16 on AMX takes the
+    kernel (and so the C++ layer loop): steps of 45- to 224-token backbone embeddings ran 1.09-1.30x faster than on
+    SDPA on an AMX Xeon core; a 256-token chunk, or one after a cached prefix, keeps SDPA."""
     from orthrus_rag import Engine, machine
     from orthrus_rag.params import SamplingParams
     from tests.conftest import SMOL, engine_overrides
@@ -161,6 +187,7 @@ def test_bf16_on_amx_attends_steps_of_short_chunks_on_the_kernel(monkeypatch):
     _needs_bf16_kernel()
     flags = machine._proc_flags()
     monkeypatch.setattr(machine, "_proc_flags", lambda: flags | {"amx_bf16", "amx_tile"})
+    monkeypatch.setattr(cpu_prefill, "amx_body", lambda: False)  # NOTE: the rule of a CPU without the AMX body
     assert cpu_prefill.short_chunks_kernel(torch.bfloat16, 64)
     assert not cpu_prefill.short_chunks_kernel(torch.float32, 64)
     assert cpu_prefill.short_chunks([45, 1, 224], [0, 300, 0])  # a decode's long context does not count
@@ -194,10 +221,9 @@ def _packed_sdpa(q, k, v, lens):
 
 @pytest.mark.parametrize("heads,dim", [(12, 32), (4, 64)])
 @pytest.mark.parametrize("lens", [[1], [7, 1, 40, 33], [256, 3, 129, 64, 1, 95]])
-def test_encoder_kernel_is_within_sdpas_own_bf16_error(lens, heads, dim):
+def test_encoder_kernel_is_within_sdpas_own_bf16_error(lens, heads, dim, bf16_body):
     """Bidirectional attention within each packed sequence (an encoder's: models/bert.py), every length from one
     token to past several key blocks."""
-    _needs_bf16_kernel()
     from orthrus_rag.layers.attention.cpu_encoder import encoder_attention
 
     torch.manual_seed(len(lens) * dim)

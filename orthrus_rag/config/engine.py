@@ -45,8 +45,8 @@ class ModelConfig:
     cuda_graphs: bool = True  # on CUDA: decode-only steps replayed as CUDA graphs (engine/executor/cuda_graphs.py)
     compile_elementwise: bool = True  # on CUDA: rotary and SiLU-mul as torch.compile'd fused kernels
     cpu_decode_kernel: bool = True  # on CPU, fp32 or bf16: decode attention in a C++ kernel over the paged cache
-    # on CPU, fp32 anywhere and bf16 where the compiler targets AVX512-BF16 (not on AMX, where torch's SDPA is
-    # faster): chunked-prefill attention, and a separate encoder's attention, in a C++ kernel (else SDPA)
+    # on CPU, fp32 anywhere and bf16 where the compiler targets AVX512-BF16 (on AMX, its body on AMX tiles):
+    # chunked-prefill attention, and a separate encoder's attention, in a C++ kernel (else SDPA)
     cpu_prefill_kernel: bool = True
     # on CPU, fp32 or bf16: residual add + RMSNorm, rotary and SiLU-and-mul as fused C++ kernels (else torch ops)
     cpu_fused_kernels: bool = True

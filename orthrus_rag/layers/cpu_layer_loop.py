@@ -14,7 +14,7 @@ adapted projection adds them through the LoRA kernel (layers/lora_fused.py, whic
 layers' arguments; `lora_kernel=per_slot` / `stacked` keep the Python loop; full-delta norms keep it too, since
 the fused norms are off there), no autograd, and the grouped attention backend's plan (`grouped.kernel_plan`:
 its groups on the C++ kernels, and those on torch's SDPA through the same torch ops from C++, e.g. bf16 chunks
-after a long prefix on AMX); any other step takes the Python loop. `cpu_layer_loop=false` turns it off.
+on a CPU without AVX512-BF16); any other step takes the Python loop. `cpu_layer_loop=false` turns it off.
 
 At two or more threads, steps of many rows without adapter rows take its column-split form (cpu_layer_split.py):
 each thread on its own output columns of every product. That form equals this loop to the dtype's rounding.

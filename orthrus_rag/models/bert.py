@@ -204,7 +204,7 @@ class Packing:
     """The packed sequences' boundaries, for attention that stays inside each sequence, with no mask and no padding
     (a [T, T] block-diagonal mask over a 4k-token step was ~40x the work; padding to the longest wastes what the
     lengths differ by). Where the CPU kernel pays (attention/cpu_encoder.py: fp32, or bf16 on AVX512-BF16
-    without AMX) one call per layer covers every sequence; elsewhere one SDPA call per sequence on views of the
+    or AMX) one call per layer covers every sequence; elsewhere one SDPA call per sequence on views of the
     packed tensors, so attention costs the sum of L^2."""
 
     def __init__(self, seq_lens: list[int], kernel: bool = True) -> None:

@@ -83,8 +83,8 @@ class ModelRunner:
         # CPU, fp32 or bf16: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
         self.decode_kernel = (mc.cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                               and decode_kernel_available())
-        # CPU, fp32, or bf16 on AVX512-BF16 without AMX: prompt and embedding chunks attend in a C++ kernel
-        # (attention/cpu_prefill.py); bf16 on AMX: only in steps whose chunks are all short
+        # CPU, fp32, or bf16 on AVX512-BF16 (on AMX, the kernel's AMX body): prompt and embedding chunks attend in a
+        # C++ kernel (attention/cpu_prefill.py); bf16 on AMX without that body: only in steps whose chunks are all short
         head_dim = model.attention_layers[0].head_dim
         kernel_here = mc.cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
         self.prefill_kernel = kernel_here and prefill_kernel_available(dtype, head_dim)

@@ -9,8 +9,9 @@ fp32 scores and softmax, P rounded to bf16 before P @ V) with every key of a seq
 for the whole batch: 40 sequences of 1-256 tokens, 12 heads of 32, in 11.9 ms against SDPA's 23.2 (~113 GFLOP/s;
 with heads of 32 the softmax is a larger share than at 64), and attention fell from 3.0 to 1.1 s of those 1,000
 passages. In fp32 (every model on an AVX2-only CPU) it runs the kernel's fp32 body (csrc/attention_f32.h); for
-head sizes that are not a multiple of 32, or bf16 without AVX512-BF16 or with AMX (torch's SDPA on AMX tiles ran
-1.2-2.5x the kernel on MiniLM's shapes: `prefill_kernel_available`), the encoder keeps SDPA.
+head sizes that are not a multiple of 32, or bf16 without AVX512-BF16, the encoder keeps SDPA; so does bf16 on an
+AMX CPU where the kernel's AMX body cannot run (torch's SDPA on AMX tiles ran 1.2-2.5x the AVX512-BF16 body on
+MiniLM's shapes; the AMX body runs 1.2-1.9x SDPA there: `prefill_kernel_available`, BENCHMARKS.md session 29).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chunked-prefill attention for the CPU, in bf16 on AVX512-BF16 and in fp32 on any x86-64 CPU: a chunk's queries
+"""Chunked-prefill attention for the CPU, in bf16 on AVX512-BF16 or AMX and in fp32 on any x86-64 CPU: a chunk's queries
 against its sequence's keys, read from the paged cache, with fp32 scores and softmax.
 
 torch's CPU flash SDPA reached ~43 GFLOP/s in bf16 on an EPYC core (1.8 ms a layer for SmolLM2's 256 x 256 x 9
@@ -19,19 +19,25 @@ AVX2, 16 on AVX-512), with P kept in fp32: an AVX2-only CPU runs every model in 
 backbone embedding step and 15% of MiniLM's encoder forward (BENCHMARKS.md, session 24). With a head size that is
 not a multiple of 32, or in another dtype, the grouped backend keeps SDPA.
 
-Where the CPU has AMX, bf16 keeps SDPA too: torch's flash attention packs its blocks for AMX tiles there (through
-oneDNN's brgemm) and ran 1.7-2.9x this kernel's AVX512-BF16 body on an AMX Xeon core, a 1,536-token prefill
-1.69x the engine's tokens/s with the kernel (BENCHMARKS.md, session 25). `prefill_kernel_runs` says whether the
-kernel can run here (its tests and benchmark); `prefill_kernel_available`, whether the engine takes it.
+Where the CPU has AMX, bf16 runs a third body (csrc/prefill_amx.h): blocks of 16 query rows, Q @ K^T and P @ V as
+AMX tile products over K and V repacked as whole tiles (each one contiguous KiB), the same fp32 softmax between
+them with a cheaper exponential (2^x, a degree-5 fit: fp32's rounding). There the products take 35-40% of the
+time after a long prefix and the softmax ~50%. On an AMX Xeon core it ran 1.6x torch's flash SDPA (which packs
+its own blocks for AMX through oneDNN's brgemm) on a 256-token chunk after 2,048 cached keys, 2.0x on a
+256-token prefill, 4x the AVX512-BF16 body (BENCHMARKS.md, session 29). `amx_body` says whether it runs here:
+the build targets AMX-BF16 and Linux granted the process the tile state (`arch_prctl`, which oneDNN requests too).
 
-Except in steps whose every chunk is short (`short_chunks`: at most `AMX_SHORT_KEYS` keys): there the kernel
-keeps the step in the C++ layer loop and spares SDPA's per-call set-up, and a step of backbone embeddings ran
-1.09-1.30x faster on it than on SDPA (45- to 224-token inputs, one AMX Xeon core; 1.32x on two at 45). A single
-256-token chunk, and chunks after a cached prefix, stay on SDPA (BENCHMARKS.md, session 26).
+Before that body, bf16 on AMX kept SDPA, which ran 1.7-2.9x the AVX512-BF16 body there, except in steps whose
+every chunk is short (`short_chunks`: at most `AMX_SHORT_KEYS` keys), where the kernel spared SDPA's per-call
+set-up (BENCHMARKS.md, sessions 25-26). That rule still holds where the AMX body cannot run (the OS refused the
+tile state). `prefill_kernel_runs` says whether the kernel can run here (its tests and benchmark);
+`prefill_kernel_available`, whether the engine takes it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -57,9 +63,27 @@ def prefill_kernel_runs(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype == torch.bfloat16 and _built()
 
 
+@lru_cache(maxsize=1)
+def amx_body() -> bool:
+    """Whether the kernel's bf16 runs on AMX tiles here (see the module)."""
+    return _built() and bool(kernels().prefill_attention_amx_runs())
+
+
 def sdpa_runs_on_amx(dtype: torch.dtype) -> bool:
-    """bf16 on a CPU with AMX: torch's SDPA runs on AMX tiles there, faster than the kernel (see the module)."""
-    return dtype == torch.bfloat16 and "amx_bf16" in machine.cpu_flags()
+    """bf16 on a CPU with AMX where the kernel's AMX body does not run: torch's SDPA runs on AMX tiles, faster than
+    the AVX512-BF16 body (see the module)."""
+    return dtype == torch.bfloat16 and "amx_bf16" in machine.cpu_flags() and not amx_body()
+
+
+@contextmanager
+def avx512_bf16_body() -> Iterator[None]:
+    """bf16 on the AVX512-BF16 body inside the block even where the AMX body runs (tests and benchmarks compare the
+    two on an AMX CPU)."""
+    was = kernels().prefill_attention_use_amx(False)
+    try:
+        yield
+    finally:
+        kernels().prefill_attention_use_amx(was)
 
 
 # the longest chunk (cached keys + new tokens) of a step that bf16 on AMX attends on the kernel: measured in the
@@ -70,7 +94,7 @@ AMX_SHORT_KEYS = 224
 
 def short_chunks_kernel(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the engine takes the kernel for steps of short chunks only (`short_chunks`) though not for all: bf16
-    on AMX, where the kernel runs."""
+    on AMX without the AMX body, where the kernel runs."""
     return sdpa_runs_on_amx(dtype) and prefill_kernel_runs(dtype, head_dim)
 
 
@@ -82,7 +106,7 @@ def short_chunks(query_lens: list[int], context_lens: list[int]) -> bool:
 
 def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the engine attends chunks (and a separate encoder's batches) of `dtype` and `head_dim` on the kernel
-    here: where it runs, except bf16 on AMX."""
+    here: where it runs, except bf16 on AMX without the AMX body."""
     return prefill_kernel_runs(dtype, head_dim) and not sdpa_runs_on_amx(dtype)
 
 

@@ -8,7 +8,7 @@ keys (the earlier packed path ran one [T x all keys] SDPA with a block-diagonal 
 8 chunks of 32 tokens over 512 cached keys each). Groups, index tensors and masks are planned once per step and
 reused by every layer.
 
-On a CPU where the C++ prefill kernel pays (fp32 anywhere; bf16 with AVX512-BF16 and without AMX:
+On a CPU where the C++ prefill kernel pays (fp32 anywhere; bf16 with AVX512-BF16, on AMX through its AMX body:
 `prefill_kernel_available`) every chunk (more than one new token) goes instead to it (attention/cpu_prefill.py),
 one call per layer for all of them, unpadded. Decodes on the C++ decode kernel
 (attention/cpu_kernels.py) form one group in flat-batch order, split only where one long sequence would make

@@ -37,7 +37,7 @@ inline FV load(const float* p) {
 inline void store(float* p, FV v) { std::memcpy(p, &v, sizeof v); }
 inline FV splat(float x) { return FV{} + x; }
 
-// e^x for x <= 0 (softmax arguments), the same Cephes polynomial as prefill_attention.h's exp_neg: 2^n * p(r),
+// e^x for x <= 0 (softmax arguments), Cephes' polynomial (the bf16 bodies take 2^x instead: prefill_bf16.h): 2^n * p(r),
 // r = x - n ln2. glibc's vector expf takes a scalar path for underflowing lanes, which softmax has many of.
 inline FV exp_neg(FV x) {
   x = x < splat(-87.f) ? splat(-87.f) : x;

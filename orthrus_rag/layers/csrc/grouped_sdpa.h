@@ -1,7 +1,8 @@
 // One SDPA group of attention/grouped.py's plan, from the C++ layer loop (layer_loop.h): the same torch ops in the
 // same order as grouped._attend and its scatter in grouped.forward, so the output is the Python loop's, bit for bit.
-// These are the groups the C++ kernels do not take: chunks where the prefill kernel does not run (bf16 on AMX
-// after a long prefix, where torch's SDPA is faster; bf16 without AVX512-BF16) and decodes without the decode kernel.
+// These are the groups the C++ kernels do not take: chunks where the prefill kernel does not run (bf16 without
+// AVX512-BF16; bf16 on AMX after a long prefix where the kernel's AMX body cannot run) and decodes without the decode
+// kernel.
 #pragma once
 #include <torch/extension.h>
 

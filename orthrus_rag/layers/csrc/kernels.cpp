@@ -14,6 +14,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encoder_attention", torch::wrap_pybind_function(encoder_attention), "encoder_attention");
   m.def("prefill_attention_supported", torch::wrap_pybind_function(prefill_attention_supported),
         "prefill_attention_supported");
+  m.def("prefill_attention_amx_runs", torch::wrap_pybind_function(prefill_attention_amx_runs),
+        "prefill_attention_amx_runs");
+  m.def("prefill_attention_use_amx", torch::wrap_pybind_function(prefill_attention_use_amx),
+        "prefill_attention_use_amx");
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
   m.def("rotary", torch::wrap_pybind_function(rotary), "rotary");
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");

@@ -1,9 +1,13 @@
 // The CPU chunked-prefill attention kernel (its wrapper and notes: layers/attention/cpu_prefill.py): a bf16 body
-// in AVX512-BF16 here, and an fp32 one for any x86-64 CPU in attention_f32.h.
+// in AVX512-BF16 here, one on AMX tiles in prefill_amx.h (what they share: prefill_bf16.h), and an fp32 one for any
+// x86-64 CPU in attention_f32.h.
 #pragma once
 #include "attention_f32.h"
+#include "prefill_bf16.h"
+#include "prefill_amx.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -11,6 +15,20 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+
+// Whether the bf16 body on AMX tiles (prefill_amx.h) runs here: built for AMX-BF16 and granted the tile state.
+bool prefill_attention_amx_runs() {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return prefill_amx::usable();
+#else
+  return false;
+#endif
+}
+
+// bf16 takes the AMX body wherever it runs; off, the AVX512-BF16 body runs there too (its tests and benchmarks on
+// an AMX CPU). Returns the setting it replaces.
+static std::atomic<bool> use_amx{true};
+bool prefill_attention_use_amx(bool on) { return use_amx.exchange(on); }
 
 bool prefill_attention_supported() {
 #if defined(__AVX512BF16__)
@@ -26,25 +44,6 @@ constexpr int64_t RB = 4;      // query rows per block (rows of one KV head: (to
 constexpr int64_t KB = 32;     // keys per score block (two 16-lane vectors)
 
 inline __m512 dot2(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
-
-// e^x for x <= 0 (softmax arguments), ~2 ulp: 2^n * p(r), r = x - n ln2, a degree-6 polynomial (Cephes' expf)
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n =
-      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
 
 // out[RB][NV*16] = P[RB, keys] V[keys, dc : dc + NV*16]; V packed as pairs of keys per lane. Accumulators are
 // locals (registers): an array passed in by reference is spilled every iteration.
@@ -72,74 +71,28 @@ inline void pv_block(const uint32_t* const* prow, const uint32_t* vp, int64_t D,
 #pragma GCC unroll 4
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + (r * NV + i) * 16, acc[r][i]);
 }
-}  // namespace
-#endif
 
-#if defined(__AVX512BF16__)
-namespace {
-// The one body of both kernels. q [T, H, D] (rows strided), keys/values [slots, KVH, D], out [T, H, D]
-// contiguous: bf16. Per sequence s: rows q_start[s] .. + q_len[s] at positions ctx[s] .., keys at slots
-// key_slots[s, 0 .. ctx + q_len) (slots null: the sequence's own rows, q_start[s] + j). Causal: a row sees the
-// keys up to its position (and `window` back); bidirectional: every key of its sequence.
-void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor q_start,
-                 torch::Tensor q_len, torch::Tensor ctx_len, const int64_t* slots, int64_t W, double scale,
-                 int64_t window, bool causal, torch::Tensor out) {
-  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH, S = q_start.size(0);
-  const int64_t q_row = q.stride(0);
-  TORCH_CHECK(D % 32 == 0 && H % KVH == 0 && k_cache.size(2) == D, "prefill_attention: head shapes");
-  const int64_t* qs = q_start.data_ptr<int64_t>();
-  const int64_t* ql = q_len.data_ptr<int64_t>();
-  const int64_t* cl = ctx_len.data_ptr<int64_t>();
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  // K of each (sequence, KV head) as [D/2][Lp] pairs of dims; V as [Lp/2][D] pairs of keys (dpbf16 operands)
-  // NOTE: pack_at counts bf16 elements (halved for the uint32 pairs)
-  const KeyLayout layout = key_layout(S, cl, ql, slots, W, KVH, D, KB);
-  const std::vector<int64_t>& pack_at = layout.pack_at;
-  const std::vector<int64_t>& padded = layout.padded;
-  const int64_t Lmax = layout.max_padded;
-  std::vector<uint32_t> kpack(pack_at[S] / 2 + 1), vpack(pack_at[S] / 2 + 1);  // NOTE: zeroed: padding keys
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, h = item % KVH, L = cl[s] + ql[s], Lp = padded[s];
-      uint32_t* kd = kpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
-      uint32_t* vd = vpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
-      for (int64_t j = 0; j < L; ++j) {
-        const int64_t slot = slots != nullptr ? slots[s * W + j] : qs[s] + j;
-        const uint32_t* krow = reinterpret_cast<const uint32_t*>(kp + (slot * KVH + h) * D);
-        for (int64_t p = 0; p < D / 2; ++p) kd[p * Lp + j] = krow[p];
-        const uint16_t* vrow = vp + (slot * KVH + h) * D;
-        uint16_t* vdst = reinterpret_cast<uint16_t*>(vd + (j / 2) * D) + (j & 1);
-        for (int64_t d = 0; d < D; ++d) vdst[2 * d] = vrow[d];
-      }
-    }
-  });
-  // work items: (sequence, KV head, block of RB rows), zig-zagged so that contiguous halves cost alike (causal)
-  std::vector<int64_t> items;
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t r0 = 0; r0 < ql[s] * G; r0 += RB) items.push_back((s * KVH + h) << 32 | r0);
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < items.size(); ++i) order[i] = items[i % 2 == 0 ? i / 2 : items.size() - 1 - i / 2];
+// The AVX512-BF16 body: blocks of RB rows, scores in register blocks of RB x KB, P @ V in RB x 64 dims.
+void attend_rows(const prefill_bf16::Operands& o, double scale) {
+  using namespace prefill_bf16;
+  const int64_t D = o.D;
+  const PackedKV packed = pack_kv(o, KB);
+  const int64_t Lmax = packed.layout.max_padded;
+  const std::vector<int64_t> order = work_items(o, RB);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sbuf(RB * Lmax);
     std::vector<uint32_t> pbuf(RB * Lmax / 2);
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t sh = order[it] >> 32, r0 = order[it] & 0xffffffff, s = sh / KVH, h = sh % KVH;
-      const int64_t n = ql[s], c = cl[s], Lp = padded[s], rows = n * G;
-      const uint32_t* kd = kpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
-      const uint32_t* vd = vpack.data() + pack_at[s] / 2 + h * Lp * D / 2;
+      const int64_t sh = order[it] >> 32, r0 = order[it] & 0xffffffff, s = sh / o.KVH, h = sh % o.KVH;
+      const int64_t Lp = packed.layout.padded[s], rows = o.ql[s] * o.G;
+      const uint32_t* kd = packed.keys(s, h, D);
+      const uint32_t* vd = packed.values(s, h, D);
       int64_t lim[RB], lo[RB];
+      const uint16_t* qrow16[RB];
+      block_rows(o, s, h, r0, RB, lim, lo, qrow16);
       const uint32_t* qrow[RB];
-      for (int64_t r = 0; r < RB; ++r) {
-        const int64_t rr = std::min(r0 + r, rows - 1), t = rr / G, g = rr % G;
-        lim[r] = causal ? c + t : c + n - 1;  // last key this row sees
-        lo[r] = window > 0 ? std::max<int64_t>(0, lim[r] - window + 1) : 0;
-        qrow[r] = reinterpret_cast<const uint32_t*>(qp + (qs[s] + t) * q_row + (h * G + g) * D);
-      }
+      for (int64_t r = 0; r < RB; ++r) qrow[r] = reinterpret_cast<const uint32_t*>(qrow16[r]);
       const int64_t jhi = std::min(Lp, (lim[RB - 1] + KB) / KB * KB);  // keys past every row's limit: skipped
       const int64_t jlo = lo[0] / KB * KB;
       for (int64_t jb = jlo; jb < jhi; jb += KB) {
@@ -159,29 +112,9 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         }
       }
       float inv[RB];
-      for (int64_t r = 0; r < RB; ++r) {
-        float* sr = sbuf.data() + r * Lmax;
-        const int64_t a = lo[r], b = std::min(lim[r] + 1, jhi);
-        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::max());
-        for (int64_t j = a; j < b; j += 16)
-          vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail(b - j), sr + j));
-        const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vsc = _mm512_set1_ps(sc);
-        // masked keys weigh 0 (P is read in whole blocks of KB keys)
-        for (int64_t j = jlo; j < a; ++j) sr[j] = 0.f;
-        for (int64_t j = b; j < jhi; ++j) sr[j] = 0.f;
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t j = a; j < b; j += 16) {
-          const __mmask16 k = tail(b - j);
-          const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + j), vm), vsc);
-          const __m512 e = _mm512_maskz_mov_ps(k, exp_neg(x));
-          _mm512_mask_storeu_ps(sr + j, k, e);
-          vsum = _mm512_add_ps(vsum, e);
-        }
-        inv[r] = 1.f / _mm512_reduce_add_ps(vsum);
-        uint16_t* pr = reinterpret_cast<uint16_t*>(pbuf.data() + r * Lmax / 2);
-        for (int64_t j = jlo; j < jhi; j += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + j)));
-      }
+      for (int64_t r = 0; r < RB; ++r)
+        inv[r] = softmax_row(sbuf.data() + r * Lmax, reinterpret_cast<uint16_t*>(pbuf.data() + r * Lmax / 2), lo[r],
+                             std::min(lim[r] + 1, jhi), jlo, jhi, sc);
       const uint32_t* prow[RB];
       for (int64_t r = 0; r < RB; ++r) prow[r] = pbuf.data() + r * Lmax / 2;
       const int64_t nv = D % 64 == 0 ? 4 : 2, chunk = nv * 16;
@@ -189,15 +122,8 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
         float obuf[RB * 64];
         if (nv == 4) pv_block<4>(prow, vd, D, jlo / 2, jhi / 2, dc, obuf);
         else pv_block<2>(prow, vd, D, jlo / 2, jhi / 2, dc, obuf);
-        for (int64_t r = 0; r < RB && r0 + r < rows; ++r) {
-          const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
-          uint16_t* orow = op + ((qs[s] + t) * H + h * G + g) * D + dc;
-          const __m512 scale_r = _mm512_set1_ps(inv[r]);
-          for (int64_t i = 0; i < nv; ++i) {
-            const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(obuf + (r * nv + i) * 16), scale_r);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 16 * i), (__m256i)_mm512_cvtneps_pbh(o));
-          }
-        }
+        for (int64_t r = 0; r < RB && r0 + r < rows; ++r)
+          write_row(o, s, h, r0 + r, dc, obuf + r * nv * 16, static_cast<int>(nv), inv[r]);
       }
     }
   });
@@ -229,7 +155,15 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_s
     return;
   }
 #if defined(__AVX512BF16__)
-  attend_rows(q, k, v, q_start, q_len, ctx_len, slots, W, scale, window, causal, out);
+  const prefill_bf16::Operands o =
+      prefill_bf16::operands(q, k, q_start, q_len, ctx_len, slots, W, window, causal, v, out);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (use_amx && prefill_amx::usable()) {
+    prefill_amx::attend_rows(o, scale);
+    return;
+  }
+#endif
+  attend_rows(o, scale);
 #endif
 }
 }  // namespace
