@@ -88,6 +88,18 @@ def test_prefill_kernel_takes_one_long_chunk_over_a_long_cached_prefix(prefix, c
     torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
 
 
+def test_prefill_kernel_takes_head_sizes_of_odd_multiples_of_32(bf16_body):
+    """Heads of 96 (Phi-3's): the AMX body's products step through three 32-dim tiles of K and six of V, and P @ V in
+    passes of 32 dims."""
+    meta, _, q, k, v, k_cache, v_cache = _scenario([(40, 37, True), (0, 19, True), (7, 1, True)], 6, 2, dim=96)
+    q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
+    exact, _, _ = _run(reference, meta, *[t.float() for t in (q, k, v, k_cache, v_cache)], None)
+    sdpa, _, _ = _run(reference, meta, q, k, v, k_cache, v_cache, None)
+    got, _, _ = _run(_PrefillKernel, meta, q, k, v, k_cache, v_cache, None)
+    sdpa_err = (sdpa.float() - exact).abs().max().item()
+    assert (got.float() - exact).abs().max().item() <= 2 * sdpa_err + 1e-3
+
+
 def test_prefill_kernel_reads_strided_queries_as_they_are(bf16_body):
     meta, _, q, k, v, k_cache, v_cache = _scenario([(20, 40, True), (0, 9, True)], 9, 3, dim=64)
     q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)

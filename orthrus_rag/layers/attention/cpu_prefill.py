@@ -22,9 +22,9 @@ not a multiple of 32, or in another dtype, the grouped backend keeps SDPA.
 Where the CPU has AMX, bf16 runs a third body (csrc/prefill_amx.h): blocks of 16 query rows, Q @ K^T and P @ V as
 AMX tile products over K and V repacked as whole tiles (each one contiguous KiB), the same fp32 softmax between
 them with a cheaper exponential (2^x, a degree-5 fit: fp32's rounding). There the products take 35-40% of the
-time after a long prefix and the softmax ~50%. On an AMX Xeon core it ran 1.6x torch's flash SDPA (which packs
+time after a long prefix and the softmax ~50%. On an AMX Xeon core it ran 1.5x torch's flash SDPA (which packs
 its own blocks for AMX through oneDNN's brgemm) on a 256-token chunk after 2,048 cached keys, 2.0x on a
-256-token prefill, 4x the AVX512-BF16 body (BENCHMARKS.md, session 29). `amx_body` says whether it runs here:
+256-token prefill, 3-4x the AVX512-BF16 body (BENCHMARKS.md, session 29). `amx_body` says whether it runs here:
 the build targets AMX-BF16 and Linux granted the process the tile state (`arch_prctl`, which oneDNN requests too).
 
 Before that body, bf16 on AMX kept SDPA, which ran 1.7-2.9x the AVX512-BF16 body there, except in steps whose
