@@ -52,7 +52,8 @@ class Step:
                        for _ in model.attention_layers]
         self.meta = build_metadata(q_lens, ctx, tables, [True] * len(q_lens), BLOCK, slots, torch.device("cpu"))
         self.meta.decode_kernel = True
-        # NOTE: as the runner chooses (runner.py): on AMX in bf16, the kernel only for steps of short chunks
+        # NOTE: as the runner chooses (runner.py): on AMX in bf16 without the kernel's AMX body, the kernel only for
+        # steps of short chunks
         self.meta.prefill_kernel = cpu_prefill.prefill_kernel_available(dtype, att.head_dim) or (
             cpu_prefill.short_chunks_kernel(dtype, att.head_dim) and cpu_prefill.short_chunks(q_lens, ctx))
         self.meta.plan = grouped.plan(self.meta, {a.window for a in model.attention_layers})
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--decodes", type=int, default=0)
     ap.add_argument("--context", type=int, default=128, help="cached tokens before each decode")
     ap.add_argument("--chunk-context", type=int, default=0,
-                    help="cached tokens before each chunk (a prefix: on AMX in bf16, chunks attending more than "
-                         "224 keys take torch's SDPA)")
+                    help="cached tokens before each chunk (a prefix: on AMX in bf16 without the kernel's AMX body, "
+                         "chunks attending more than 224 keys take torch's SDPA)")
     ap.add_argument("--python-loop", action="store_true", help="also time the Python layer loop of the same kernels")
     ap.add_argument("--fp32-reference", action="store_true",
                     help="also run each step on the model in fp32 and report each form's relative error from it")

@@ -152,7 +152,8 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode_kernel", [True, False])
 def test_groups_on_sdpa_run_in_the_loop_bit_for_bit(kind, lora, dtype, decode_kernel):
-    """Chunks without the prefill kernel (bf16 after a long prefix on AMX takes SDPA) and, without the decode kernel,
+    """Chunks without the prefill kernel (bf16 without AVX512-BF16, or on AMX where the kernel's AMX body cannot run,
+    takes SDPA) and, without the decode kernel,
     decodes: the plan's SDPA groups (padded, masked, windowed on mistral, causal) through the same torch ops from
     C++, beside the kernels' groups; with adapter rows too."""
     model = _model(kind, dtype, True if dtype is torch.float32 or PACKED_BF16 else False, lora)
@@ -267,7 +268,7 @@ def test_the_shipped_adapters_rows_take_the_loop_and_its_embeddings(smol_path):
     pooling = PoolingParams(input_type="document")
     got_gen, got_emb = on.run([[1, 2, 3, 4]], params, texts, pooling)
     want_gen, want_emb = off.run([[1, 2, 3, 4]], params, texts, pooling)
-    # NOTE: without the bf16 prefill kernel (AVX2; AMX, where SDPA is faster), chunk steps keep the Python loop:
+    # NOTE: without the bf16 prefill kernel (AVX2; AMX without the kernel's AMX body), chunk steps keep the Python loop:
     # decodes take it
     assert spy.taken > 0 and (spy.left == 0 or not cpu_prefill.prefill_kernel_available(torch.bfloat16, 64))
     assert any(s.num_adapter_embed_rows for s in on.step_stats)

@@ -2,7 +2,7 @@
 
 Its C++ sources are the files of layers/csrc/, shipped as package data: one header per kernel family, each
 described by the module that calls it: decode attention over the paged cache (attention/cpu_kernels.py),
-chunked-prefill attention in AVX512-BF16 (attention/cpu_prefill.py), the fused elementwise ops of a decoder layer:
+chunked-prefill attention in AVX512-BF16 or on AMX tiles (attention/cpu_prefill.py), the fused elementwise ops of a decoder layer:
 residual add + RMSNorm, rotary, SiLU-and-mul (cpu_elementwise.py), the sampler's draw from each row's
 probabilities and its greedy argmax (sampler.py), adapter rows' LoRA updates (lora_fused.py), and the decoder's
 layer loop, which calls the others (cpu_layer_loop.py); kernels.cpp includes them all as one translation unit

@@ -24,13 +24,14 @@ AMX tile products over K and V repacked as whole tiles (each one contiguous KiB)
 them with a cheaper exponential (2^x, a degree-5 fit: fp32's rounding). There the products take 35-40% of the
 time after a long prefix and the softmax ~50%. On an AMX Xeon core it ran 1.5x torch's flash SDPA (which packs
 its own blocks for AMX through oneDNN's brgemm) on a 256-token chunk after 2,048 cached keys, 2.0x on a
-256-token prefill, 3-4x the AVX512-BF16 body (BENCHMARKS.md, session 29). `amx_body` says whether it runs here:
-the build targets AMX-BF16 and Linux granted the process the tile state (`arch_prctl`, which oneDNN requests too).
+256-token prefill, 1.7-4.4x the AVX512-BF16 body (BENCHMARKS.md, session 29). `amx_body` says whether it runs
+here: the build targets AMX-BF16 (a compiler that knows AMX) and Linux granted the process the tile state
+(`arch_prctl`, which oneDNN requests too).
 
 Before that body, bf16 on AMX kept SDPA, which ran 1.7-2.9x the AVX512-BF16 body there, except in steps whose
 every chunk is short (`short_chunks`: at most `AMX_SHORT_KEYS` keys), where the kernel spared SDPA's per-call
-set-up (BENCHMARKS.md, sessions 25-26). That rule still holds where the AMX body cannot run (the OS refused the
-tile state). `prefill_kernel_runs` says whether the kernel can run here (its tests and benchmark);
+set-up (BENCHMARKS.md, sessions 25-26). That rule still holds where the AMX body cannot run (a compiler without
+AMX-BF16, or the OS refused the tile state). `prefill_kernel_runs` says whether the kernel can run here (its tests and benchmark);
 `prefill_kernel_available`, whether the engine takes it.
 """
 

@@ -8,7 +8,15 @@
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <vector>
+// the body is built where the compiler targets AMX-BF16 (and so AVX512-BF16): -march=native on an AMX CPU with a
+// compiler that knows AMX (GCC 11+); elsewhere bf16 runs the AVX512-BF16 body or SDPA
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ORTHRUS_PREFILL_AMX 1
+#else
+#define ORTHRUS_PREFILL_AMX 0
+#endif
+
+#if ORTHRUS_PREFILL_AMX
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -36,11 +44,18 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-inline void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
+// The thread's tiles configured as above for its lifetime, released after (also when the work throws). Other AMX
+// code on the thread (oneDNN's, torch's brgemm) configures its own tiles before each use and releases them after.
+struct TileScope {
+  TileScope() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
 
 // K and V of each (sequence, KV head) as whole tiles, each one contiguous KiB: K as [Lp/16][D/32] tiles of
 // (16 pairs of dims) x (16 keys), V as [Lp/32][D/16] tiles of (16 pairs of keys) x (16 dims): the pairs of
@@ -157,7 +172,7 @@ void attend_rows(const prefill_bf16::Operands& o, double scale) {
   const std::vector<int64_t> order = work_items(o, RB);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
-    configure();
+    const TileScope tiles;
     std::vector<float> sbuf(RB * Lmax);
     std::vector<uint16_t> pbuf(RB * Lmax), qbuf(RB * D);
     float obuf[RB * 64];
@@ -185,9 +200,17 @@ void attend_rows(const prefill_bf16::Operands& o, double scale) {
           write_row(o, s, h, r0 + r, dc, obuf + r * nt * 16, nt, inv[r]);
       }
     }
-    _tile_release();
   });
 }
 
 }  // namespace prefill_amx
 #endif
+
+// Whether the bf16 body on AMX tiles runs here: built for AMX-BF16 and granted the tile state.
+inline bool prefill_attention_amx_runs() {
+#if ORTHRUS_PREFILL_AMX
+  return prefill_amx::usable();
+#else
+  return false;
+#endif
+}

@@ -16,19 +16,13 @@
 #include <immintrin.h>
 #endif
 
-// Whether the bf16 body on AMX tiles (prefill_amx.h) runs here: built for AMX-BF16 and granted the tile state.
-bool prefill_attention_amx_runs() {
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return prefill_amx::usable();
-#else
-  return false;
-#endif
-}
+namespace prefill_dispatch {
+inline std::atomic<bool> use_amx{true};
+}  // namespace prefill_dispatch
 
-// bf16 takes the AMX body wherever it runs; off, the AVX512-BF16 body runs there too (its tests and benchmarks on
-// an AMX CPU). Returns the setting it replaces.
-static std::atomic<bool> use_amx{true};
-bool prefill_attention_use_amx(bool on) { return use_amx.exchange(on); }
+// bf16 takes the AMX body wherever it runs (prefill_attention_amx_runs); off, the AVX512-BF16 body runs there too
+// (its tests and benchmarks on an AMX CPU). Returns the setting it replaces.
+inline bool prefill_attention_use_amx(bool on) { return prefill_dispatch::use_amx.exchange(on); }
 
 bool prefill_attention_supported() {
 #if defined(__AVX512BF16__)
@@ -157,8 +151,8 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_s
 #if defined(__AVX512BF16__)
   const prefill_bf16::Operands o =
       prefill_bf16::operands(q, k, q_start, q_len, ctx_len, slots, W, window, causal, v, out);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (use_amx && prefill_amx::usable()) {
+#if ORTHRUS_PREFILL_AMX
+  if (prefill_dispatch::use_amx && prefill_amx::usable()) {
     prefill_amx::attend_rows(o, scale);
     return;
   }

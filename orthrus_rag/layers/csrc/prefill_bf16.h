@@ -17,9 +17,10 @@
 namespace prefill_bf16 {
 
 // 2^x in the lanes of k (the others 0), for softmax arguments (x <= 0 in the lanes that count): 2^n * p(f), n = x
-// rounded, f = x - n in [-1/2, 1/2], p a degree-5 fit of 2^f (relative error 1.1e-7, fp32's rounding); below
-// 2^-126 it flushes to 0 in scalef. Seven operations a vector: softmax's exponentials are most of the kernel's
-// vector work after a long prefix (the products run on AMX there).
+// rounded, f = x - n in [-1/2, 1/2], p a degree-5 fit of 2^f (relative error ~2e-7 in fp32, about fp32's rounding;
+// P is rounded to bf16 after); scalef takes 2^n to denormals and 0 below 2^-126. Eight operations a vector against
+// Cephes' e^x's fourteen: softmax's exponentials are most of the kernel's vector work after a long prefix (the
+// products run on AMX there).
 inline __m512 exp2_masked(__mmask16 k, __m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
