@@ -61,21 +61,27 @@ def _bf16(*tensors):
     return [t.bfloat16() for t in tensors]
 
 
+def _kernel_against_sdpa(meta, q, k, v, k_cache, v_cache, window):
+    """The kernel's output and cache writes, its largest error to the fp32 attention, and SDPA's own in bf16 (with
+    SDPA's cache writes)."""
+    exact, _, _ = _run(reference, meta, *[t.float() for t in (q, k, v, k_cache, v_cache)], window)
+    sdpa, want_k, want_v = _run(reference, meta, q, k, v, k_cache, v_cache, window)
+    got, got_k, got_v = _run(_PrefillKernel, meta, q, k, v, k_cache, v_cache, window)
+    err, sdpa_err = ((x.float() - exact).abs().max().item() for x in (got, sdpa))
+    return got, (got_k, got_v), (want_k, want_v), err, sdpa_err
+
+
 @pytest.mark.parametrize("window", [None, 4, 50])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 32), (9, 3, 64), (4, 4, 128)])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_prefill_kernel_is_within_sdpas_own_bf16_error(name, heads, kv_heads, dim, window, bf16_body):
     meta, _, q, k, v, k_cache, v_cache = _scenario(SCENARIOS[name], heads, kv_heads, dim=dim)
     q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
-    exact, _, _ = _run(reference, meta, *[t.float() for t in (q, k, v, k_cache, v_cache)], window)
-    sdpa, _, _ = _run(reference, meta, q, k, v, k_cache, v_cache, window)
-    got, got_k, got_v = _run(_PrefillKernel, meta, q, k, v, k_cache, v_cache, window)
+    got, (got_k, got_v), (want_k, want_v), err, sdpa_err = _kernel_against_sdpa(meta, q, k, v, k_cache, v_cache,
+                                                                                 window)
     assert got.dtype is torch.bfloat16
-    sdpa_err = (sdpa.float() - exact).abs().max().item()
-    err = (got.float() - exact).abs().max().item()
     # NOTE: both round P and the output to bf16; the kernel's scores and sums are fp32, as SDPA's are
     assert err <= 2 * sdpa_err + 1e-3, (err, sdpa_err)
-    _, want_k, want_v = _run(reference, meta, q, k, v, k_cache, v_cache, window)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
@@ -83,24 +89,16 @@ def test_prefill_kernel_is_within_sdpas_own_bf16_error(name, heads, kv_heads, di
 @pytest.mark.parametrize("prefix,chunk", [(250, 120), (2100, 70)])
 def test_prefill_kernel_takes_one_long_chunk_over_a_long_cached_prefix(prefix, chunk, window, bf16_body):
     meta, _, q, k, v, k_cache, v_cache = _scenario([(prefix, chunk, True), (0, 1, True)], 9, 3, dim=64, num_blocks=600)
-    q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
-    exact, _, _ = _run(reference, meta, *[t.float() for t in (q, k, v, k_cache, v_cache)], window)
-    sdpa, _, _ = _run(reference, meta, q, k, v, k_cache, v_cache, window)
-    got, _, _ = _run(_PrefillKernel, meta, q, k, v, k_cache, v_cache, window)
-    sdpa_err = (sdpa.float() - exact).abs().max().item()
-    assert (got.float() - exact).abs().max().item() <= 2 * sdpa_err + 1e-3
+    _, _, _, err, sdpa_err = _kernel_against_sdpa(meta, *_bf16(q, k, v, k_cache, v_cache), window)
+    assert err <= 2 * sdpa_err + 1e-3, (err, sdpa_err)
 
 
 def test_prefill_kernel_takes_head_sizes_of_odd_multiples_of_32(bf16_body):
     """Heads of 96 (Phi-3's): the AMX body's products step through three 32-dim tiles of K and six of V, and P @ V in
     passes of 32 dims."""
     meta, _, q, k, v, k_cache, v_cache = _scenario([(40, 37, True), (0, 19, True), (7, 1, True)], 6, 2, dim=96)
-    q, k, v, k_cache, v_cache = _bf16(q, k, v, k_cache, v_cache)
-    exact, _, _ = _run(reference, meta, *[t.float() for t in (q, k, v, k_cache, v_cache)], None)
-    sdpa, _, _ = _run(reference, meta, q, k, v, k_cache, v_cache, None)
-    got, _, _ = _run(_PrefillKernel, meta, q, k, v, k_cache, v_cache, None)
-    sdpa_err = (sdpa.float() - exact).abs().max().item()
-    assert (got.float() - exact).abs().max().item() <= 2 * sdpa_err + 1e-3
+    _, _, _, err, sdpa_err = _kernel_against_sdpa(meta, *_bf16(q, k, v, k_cache, v_cache), None)
+    assert err <= 2 * sdpa_err + 1e-3, (err, sdpa_err)
 
 
 def test_prefill_kernel_reads_strided_queries_as_they_are(bf16_body):

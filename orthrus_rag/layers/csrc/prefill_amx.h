@@ -177,27 +177,18 @@ void attend_rows(const prefill_bf16::Operands& o, double scale) {
     std::vector<uint16_t> pbuf(RB * Lmax), qbuf(RB * D);
     float obuf[RB * 64];
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t sh = order[it] >> 32, r0 = order[it] & 0xffffffff, s = sh / o.KVH, h = sh % o.KVH;
-      const int64_t Lp = packed.layout.padded[s], rows = o.ql[s] * o.G;
-      int64_t lim[RB], lo[RB];
-      const uint16_t* qrow[RB];
-      block_rows(o, s, h, r0, RB, lim, lo, qrow);
-      for (int64_t r = 0; r < RB; ++r) std::memcpy(qbuf.data() + r * D, qrow[r], D * sizeof(uint16_t));
-      const int64_t jhi = std::min(Lp, (lim[RB - 1] + KB) / KB * KB);  // keys past every row's limit: skipped
-      const int64_t jlo = lo[0] / KB * KB;
-      const uint32_t* kd = packed.keys(s, h, D);
-      for (int64_t jb = jlo; jb < jhi; jb += KB) scores_block(qbuf.data(), kd, D, jb, sbuf.data(), Lmax);
+      const Block<RB, KB> b(o, packed, order[it]);
+      for (int64_t r = 0; r < RB; ++r) std::memcpy(qbuf.data() + r * D, b.qrow[r], D * sizeof(uint16_t));
+      const uint32_t* kd = packed.keys(b.s, b.h, D);
+      for (int64_t jb = b.jlo; jb < b.jhi; jb += KB) scores_block(qbuf.data(), kd, D, jb, sbuf.data(), Lmax);
       float inv[RB];
-      for (int64_t r = 0; r < RB; ++r)
-        inv[r] = softmax_row(sbuf.data() + r * Lmax, pbuf.data() + r * Lmax, lo[r], std::min(lim[r] + 1, jhi), jlo,
-                             jhi, sc);
-      const uint32_t* vd = packed.values(s, h, D);
+      b.softmax(sbuf.data(), pbuf.data(), Lmax, sc, inv);
+      const uint32_t* vd = packed.values(b.s, b.h, D);
       const int nt = D % 64 == 0 ? 4 : 2;
       for (int64_t dc = 0; dc < D; dc += nt * 16) {
-        if (nt == 4) values_block<4>(pbuf.data(), Lmax, vd, D, jlo, jhi, dc, obuf);
-        else values_block<2>(pbuf.data(), Lmax, vd, D, jlo, jhi, dc, obuf);
-        for (int64_t r = 0; r < RB && r0 + r < rows; ++r)
-          write_row(o, s, h, r0 + r, dc, obuf + r * nt * 16, nt, inv[r]);
+        if (nt == 4) values_block<4>(pbuf.data(), Lmax, vd, D, b.jlo, b.jhi, dc, obuf);
+        else values_block<2>(pbuf.data(), Lmax, vd, D, b.jlo, b.jhi, dc, obuf);
+        b.write(o, dc, obuf, nt, inv);
       }
     }
   });

@@ -78,18 +78,13 @@ void attend_rows(const prefill_bf16::Operands& o, double scale) {
     std::vector<float> sbuf(RB * Lmax);
     std::vector<uint32_t> pbuf(RB * Lmax / 2);
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t sh = order[it] >> 32, r0 = order[it] & 0xffffffff, s = sh / o.KVH, h = sh % o.KVH;
-      const int64_t Lp = packed.layout.padded[s], rows = o.ql[s] * o.G;
-      const uint32_t* kd = packed.keys(s, h, D);
-      const uint32_t* vd = packed.values(s, h, D);
-      int64_t lim[RB], lo[RB];
-      const uint16_t* qrow16[RB];
-      block_rows(o, s, h, r0, RB, lim, lo, qrow16);
+      const Block<RB, KB> b(o, packed, order[it]);
+      const int64_t Lp = packed.layout.padded[b.s];
+      const uint32_t* kd = packed.keys(b.s, b.h, D);
+      const uint32_t* vd = packed.values(b.s, b.h, D);
       const uint32_t* qrow[RB];
-      for (int64_t r = 0; r < RB; ++r) qrow[r] = reinterpret_cast<const uint32_t*>(qrow16[r]);
-      const int64_t jhi = std::min(Lp, (lim[RB - 1] + KB) / KB * KB);  // keys past every row's limit: skipped
-      const int64_t jlo = lo[0] / KB * KB;
-      for (int64_t jb = jlo; jb < jhi; jb += KB) {
+      for (int64_t r = 0; r < RB; ++r) qrow[r] = reinterpret_cast<const uint32_t*>(b.qrow[r]);
+      for (int64_t jb = b.jlo; jb < b.jhi; jb += KB) {
         __m512 acc[RB][2];
         for (int64_t r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t p = 0; p < D / 2; ++p) {
@@ -106,18 +101,15 @@ void attend_rows(const prefill_bf16::Operands& o, double scale) {
         }
       }
       float inv[RB];
-      for (int64_t r = 0; r < RB; ++r)
-        inv[r] = softmax_row(sbuf.data() + r * Lmax, reinterpret_cast<uint16_t*>(pbuf.data() + r * Lmax / 2), lo[r],
-                             std::min(lim[r] + 1, jhi), jlo, jhi, sc);
+      b.softmax(sbuf.data(), reinterpret_cast<uint16_t*>(pbuf.data()), Lmax, sc, inv);
       const uint32_t* prow[RB];
       for (int64_t r = 0; r < RB; ++r) prow[r] = pbuf.data() + r * Lmax / 2;
-      const int64_t nv = D % 64 == 0 ? 4 : 2, chunk = nv * 16;
-      for (int64_t dc = 0; dc < D; dc += chunk) {
+      const int nv = D % 64 == 0 ? 4 : 2;
+      for (int64_t dc = 0; dc < D; dc += nv * 16) {
         float obuf[RB * 64];
-        if (nv == 4) pv_block<4>(prow, vd, D, jlo / 2, jhi / 2, dc, obuf);
-        else pv_block<2>(prow, vd, D, jlo / 2, jhi / 2, dc, obuf);
-        for (int64_t r = 0; r < RB && r0 + r < rows; ++r)
-          write_row(o, s, h, r0 + r, dc, obuf + r * nv * 16, static_cast<int>(nv), inv[r]);
+        if (nv == 4) pv_block<4>(prow, vd, D, b.jlo / 2, b.jhi / 2, dc, obuf);
+        else pv_block<2>(prow, vd, D, b.jlo / 2, b.jhi / 2, dc, obuf);
+        b.write(o, dc, obuf, nv, inv);
       }
     }
   });

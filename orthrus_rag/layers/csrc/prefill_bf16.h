@@ -128,19 +128,6 @@ inline std::vector<int64_t> work_items(const Operands& o, int64_t rows) {
   return order;
 }
 
-// Row r0 + r of a block (rows of one KV head: (token, head-in-group), token-major; rows past the sequence's last
-// repeat it): the last key it sees (`lim`), its first (`lo`) and its query.
-inline void block_rows(const Operands& o, int64_t s, int64_t h, int64_t r0, int64_t RB, int64_t* lim, int64_t* lo,
-                       const uint16_t** qrow) {
-  const int64_t n = o.ql[s], c = o.cl[s], rows = n * o.G;
-  for (int64_t r = 0; r < RB; ++r) {
-    const int64_t rr = std::min(r0 + r, rows - 1), t = rr / o.G, g = rr % o.G;
-    lim[r] = o.causal ? c + t : c + n - 1;
-    lo[r] = o.window > 0 ? std::max<int64_t>(0, lim[r] - o.window + 1) : 0;
-    qrow[r] = o.qp + (o.qs[s] + t) * o.q_row + (h * o.G + g) * o.D;
-  }
-}
-
 // Softmax of one row's scores sr[jlo, jhi) (keys [a, b) seen, the rest weigh 0) scaled by `scale`, written as bf16
 // into pr[jlo, jhi) (P is read in whole blocks of keys); returns 1 / the sum of its weights (of their fp32 values,
 // before the rounding to bf16, as flash attention sums them).
@@ -177,6 +164,43 @@ inline void write_row(const Operands& o, int64_t s, int64_t h, int64_t row, int6
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 16 * i), (__m256i)_mm512_cvtneps_pbh(x));
   }
 }
+
+// One work item of a body with blocks of RB rows and score blocks of KB keys: its sequence and KV head, its rows
+// (of one KV head: (token, head-in-group), token-major; rows past the sequence's last repeat it), each row's last
+// key (`lim`), first key (`lo`) and query, and the keys any row sees, [jlo, jhi) in whole score blocks.
+template <int64_t RB, int64_t KB>
+struct Block {
+  int64_t s, h, r0, rows, jlo, jhi;
+  int64_t lim[RB], lo[RB];
+  const uint16_t* qrow[RB];
+
+  Block(const Operands& o, const PackedKV& packed, int64_t item) {
+    const int64_t sh = item >> 32;
+    s = sh / o.KVH, h = sh % o.KVH, r0 = item & 0xffffffff;
+    const int64_t n = o.ql[s], c = o.cl[s];
+    rows = n * o.G;
+    for (int64_t r = 0; r < RB; ++r) {
+      const int64_t rr = std::min(r0 + r, rows - 1), t = rr / o.G, g = rr % o.G;
+      lim[r] = o.causal ? c + t : c + n - 1;
+      lo[r] = o.window > 0 ? std::max<int64_t>(0, lim[r] - o.window + 1) : 0;
+      qrow[r] = o.qp + (o.qs[s] + t) * o.q_row + (h * o.G + g) * o.D;
+    }
+    jhi = std::min(packed.layout.padded[s], (lim[RB - 1] + KB) / KB * KB);  // keys past every row's limit: skipped
+    jlo = lo[0] / KB * KB;
+  }
+
+  // The softmax of every row's scores (rows of ld floats in sbuf) into P (rows of ld bf16 in pbuf), 1 / each sum
+  // into inv.
+  void softmax(const float* sbuf, uint16_t* pbuf, int64_t ld, float scale, float* inv) const {
+    for (int64_t r = 0; r < RB; ++r)
+      inv[r] = softmax_row(sbuf + r * ld, pbuf + r * ld, lo[r], std::min(lim[r] + 1, jhi), jlo, jhi, scale);
+  }
+
+  // Dims dc .. dc + n16 * 16 of the block's real rows from acc (RB rows of n16 * 16 floats), scaled by inv.
+  void write(const Operands& o, int64_t dc, const float* acc, int n16, const float* inv) const {
+    for (int64_t r = 0; r < RB && r0 + r < rows; ++r) write_row(o, s, h, r0 + r, dc, acc + r * n16 * 16, n16, inv[r]);
+  }
+};
 
 }  // namespace prefill_bf16
 #endif
