@@ -30,6 +30,10 @@ class Embedder(Protocol):
 
     `identity` says what built the vectors (model, adapter, pooling, normalize, dimension, query instruction);
     an index saved with one identity is only searched with an embedder of the same identity.
+
+    A live index's adds (`LiveIndex.add` / `aadd`) embed through `embed_documents_bulk` / `aembed_documents_bulk`
+    where an embedder has them (bulk work, `BULK_PRIORITY`: LangChain's `OrthrusEmbeddings`), else through
+    `embed_documents`; `EngineEmbedder` has its own per-text bulk path (`embed_bulk`), which names bad texts.
     """
 
     identity: dict[str, Any]

@@ -236,7 +236,8 @@ class LiveIndex:
         if isinstance(self.embedder, EngineEmbedder):
             vectors = self._vectors_of(passages, await self.embedder.aembed_bulk(texts, truncate=truncate))
         else:
-            vectors = self._checked(await self.embedder.aembed_documents(texts), len(texts))
+            embed = getattr(self.embedder, "aembed_documents_bulk", self.embedder.aembed_documents)
+            vectors = self._checked(await embed(texts), len(texts))
         await asyncio.to_thread(self._commit_add, passages, vectors)
         return [p.id for p in passages]
 
@@ -248,7 +249,8 @@ class LiveIndex:
         if isinstance(self.embedder, EngineEmbedder):
             vectors = self._vectors_of(passages, self.embedder.embed_bulk(texts, truncate=truncate))
         else:
-            vectors = self._checked(self.embedder.embed_documents(texts), len(texts))
+            embed = getattr(self.embedder, "embed_documents_bulk", self.embedder.embed_documents)
+            vectors = self._checked(embed(texts), len(texts))
         self._commit_add(passages, vectors)
         return [p.id for p in passages]
 

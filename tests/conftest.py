@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -136,3 +137,24 @@ def local(served):
     yield shared
     shared.close()
     assert not engine.scheduler.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@contextlib.contextmanager
+def embed_priorities(engine):
+    """The priority of every embedding request `engine` takes meanwhile, as (input, priority) in arrival order: what
+    the scheduler ranks it by (> 0: bulk work). Wraps `Engine.add_embed`, where every front end's embeddings enter."""
+    seen: list[tuple[object, int]] = []
+    add, own = engine.add_embed, "add_embed" in vars(engine)
+
+    def recording(text, params=None, request_id=None):
+        seen.append((text, params.priority if params is not None else 0))  # NOTE: a list append is thread-safe
+        return add(text, params, request_id)
+
+    engine.add_embed = recording
+    try:
+        yield seen
+    finally:
+        if own:
+            engine.add_embed = add
+        else:
+            del engine.add_embed  # the class's method again

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MINILM, SMOL, engine_overrides
+from tests.conftest import MINILM, SMOL, embed_priorities, engine_overrides
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
@@ -40,7 +40,7 @@ def indexed(served, tmp_path_factory):
     src = served.engine
     engine = Engine(src.config, src.runner.model, src.tokenizer, encoder=src.runner.encoder,
                     encoder_tokenizer=src.inputs.encoder_tokenizer, encoder_pooling=src.encoder_pooling)
-    aengine = AsyncEngine(engine, max_in_flight=4, max_bulk_in_flight=4)
+    aengine = AsyncEngine(engine, max_in_flight=4, max_bulk_in_flight=8)
     folder = tmp_path_factory.mktemp("live") / "index"
     index = LiveIndex.create(folder, EngineEmbedder(aengine))
     server = ServerThread(aengine, index=index, default_max_tokens=8)
@@ -106,6 +106,31 @@ def test_a_long_document_is_cut_when_asked_and_an_unknown_delete_changes_nothing
     assert r.status_code == 404 and "never-added" in r.json()["error"]["message"]
     assert _snapshot(indexed.folder) == before and len(indexed.index) == count
     assert indexed.http.get("/documents/cut").status_code == 200
+
+
+def test_documents_embed_as_bulk_work_and_queries_do_not(indexed) -> None:
+    docs = [{"id": f"bulk{i}", "text": f"Bulk document number {i} about rivers."} for i in range(2)]
+    with embed_priorities(indexed.engine) as seen:
+        assert indexed.http.post("/documents", json={"documents": docs}).status_code == 200
+        added = list(seen)
+        _search(indexed.http, "rivers")
+    assert len(added) == 2 and all(priority > 0 for _, priority in added)
+    assert len(seen) == 3 and seen[-1][1] <= 0  # the query: serving work
+    assert indexed.http.request("DELETE", "/documents", json={"ids": ["bulk0", "bulk1"]}).status_code == 200
+
+
+def test_embeddings_take_vllms_priority_field_against_the_bulk_limit(indexed) -> None:
+    """`priority` > 0 is bulk work: it counts against the bulk in-flight limit (8 here), not the serving one (4)."""
+    body = {"model": MINILM, "input": [f"text {i}" for i in range(6)]}
+    with embed_priorities(indexed.engine) as seen:
+        bulk = indexed.http.post("/embeddings", json={**body, "priority": 1})
+    assert bulk.status_code == 200, bulk.text
+    assert len(bulk.json()["data"]) == 6 and [p for _, p in seen] == [1] * 6
+    serving = indexed.http.post("/embeddings", json=body)
+    assert serving.status_code == 400 and "at most 4" in serving.json()["error"]["message"]
+    too_many = indexed.http.post("/embeddings", json={**body, "input": body["input"] * 2, "priority": 1})
+    assert too_many.status_code == 400 and "at most 8" in too_many.json()["error"]["message"]
+    assert "bulk requests" in too_many.json()["error"]["message"]
 
 
 def test_a_server_without_an_index_says_how_to_give_it_one(served) -> None:

@@ -14,7 +14,7 @@ from langchain_core.runnables import RunnablePassthrough
 
 from orthrus_rag.integrations.langchain import (ChatOrthrus, IterRetGenRunnable, LocalOrthrus, OrthrusEmbeddings,
                                                 OrthrusRetriever, RAGRunnable)
-from tests.conftest import MINILM, SERVED_REFERENCE_TEXTS
+from tests.conftest import MINILM, SERVED_REFERENCE_TEXTS, embed_priorities
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
@@ -118,6 +118,10 @@ def test_components_against_the_server(served):
     emb = OrthrusEmbeddings(base_url=served.url, model=MINILM)
     got = np.asarray(emb.embed_documents(SERVED_REFERENCE_TEXTS))
     np.testing.assert_allclose(got, np.stack([t.numpy() for t in served.reference]), atol=1e-6, rtol=0)
+    with embed_priorities(served.engine) as seen:  # bulk over HTTP: the server's `priority` field
+        bulk = np.asarray(emb.embed_documents_bulk(SERVED_REFERENCE_TEXTS))
+    assert [p for _, p in seen] == [1, 1]
+    np.testing.assert_allclose(bulk, got, atol=1e-6, rtol=0)
     retriever = OrthrusRetriever.from_texts(TEXTS, emb, titles=TITLES, k=1)
     chat = ChatOrthrus(base_url=served.url, max_tokens=6, temperature=0)
     rag = IterRetGenRunnable(retriever, chat, iterations=2, k=1, max_tokens=6)
@@ -138,6 +142,7 @@ def test_the_retriever_takes_documents_and_deletions_as_a_vector_store_does(loca
 
     from orthrus_rag.integrations.langchain.retrievers import LangChainEmbedder
     from orthrus_rag.retrievers import DocumentError, LiveIndex
+    from orthrus_rag.retrievers.embedder import BULK_PRIORITY
 
     emb = OrthrusEmbeddings(engine=local)
     retriever = OrthrusRetriever.from_texts(TEXTS, emb, titles=TITLES, k=1)
@@ -145,8 +150,10 @@ def test_the_retriever_takes_documents_and_deletions_as_a_vector_store_does(loca
     assert retriever.invoke(question)[0].metadata["title"] != "Bach"
     bach = Document("Johann Sebastian Bach composed the Brandenburg Concertos.", id="bach",
                     metadata={"title": "Bach"})
-    assert retriever.add_documents([bach]) == ["bach"]
-    assert retriever.invoke(question)[0].metadata["title"] == "Bach"
+    with embed_priorities(local.client.engine) as seen:
+        assert retriever.add_documents([bach]) == ["bach"]
+        assert retriever.invoke(question)[0].metadata["title"] == "Bach"
+    assert [p for _, p in seen] == [BULK_PRIORITY, 0]  # the add as bulk work, the query as serving work
     with pytest.raises(DocumentError, match="'bach' is present already"):
         retriever.add_documents([Document("again", id="bach")])
     assert retriever.delete(["bach"]) == ["bach"]

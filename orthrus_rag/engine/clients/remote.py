@@ -132,7 +132,10 @@ class RemoteClient:
         inputs = [prefix + t if isinstance(t, str) else list(t) for t in texts]
         if prefix and any(not isinstance(t, str) for t in texts):
             raise ValueError("an instruction prefixes text; token-id inputs cannot take one here")
-        return {"model": model, "input": inputs, "encoding_format": "base64"}
+        args: dict[str, Any] = {"model": model, "input": inputs, "encoding_format": "base64"}
+        if params is not None and params.priority:  # NOTE: the server's (and vLLM's) field; bulk work when > 0
+            args["extra_body"] = {"priority": params.priority}
+        return args
 
     async def embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                     request_id: str | None = None) -> EmbeddingOutput:

@@ -117,12 +117,13 @@ class OpenAIService:
         inputs = _as_inputs(req.input, "input")
         adapter = self.models.embedding[req.model]
         params = self.space.default_pooling() if adapter is None else PoolingParams(adapter=adapter)
-        params = replace(params, input_type=req.input_type)  # NOTE: the engine prefixes an adapter's inputs
+        # NOTE: the engine prefixes an adapter's inputs by their type
+        params = replace(params, input_type=req.input_type, priority=req.priority)
         width = self.space.dimension(self.space.route(params))
         if req.dimensions is not None and width is not None and req.dimensions != width:
             raise bad_request(f"dimensions={req.dimensions} is not supported: {req.model} gives {width}-dimensional "
                               "vectors", "dimensions")
-        self.reserve(len(inputs))
+        self.reserve(len(inputs), bulk=req.priority > 0)
         outs = await self.guard(self.client.embed_many(inputs, params), disconnected)
         data, tokens = [], 0
         for i, out in enumerate(outs):
@@ -207,15 +208,18 @@ class OpenAIService:
             self.metrics.observe_request("generate", out.metrics, len(out.prompt_token_ids), len(out.token_ids))
 
     # ---- failures -------------------------------------------------------------------------------------------
-    def reserve(self, n: int) -> None:
+    def reserve(self, n: int, bulk: bool = False) -> None:
         """Room for `n` more requests under the client's in-flight limit, or an error (nothing is submitted then):
-        a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429."""
-        limit, pending = self.client.max_in_flight, self.client.num_in_flight
+        a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429. `bulk`
+        (priority > 0): the client's bulk limit, where it keeps one apart (AsyncEngine's `max_bulk_in_flight`)."""
+        limit, pending, what = self.client.max_in_flight, self.client.num_in_flight, "requests"
+        if bulk and hasattr(self.client, "max_bulk_in_flight"):
+            limit, pending, what = self.client.max_bulk_in_flight, self.client.num_bulk_in_flight, "bulk requests"
         if n > limit:
-            raise bad_request(f"this request needs {n} engine requests (one per input, prompt and choice); the "
+            raise bad_request(f"this request needs {n} engine {what} (one per input, prompt and choice); the "
                               f"server takes at most {limit} at a time (deploy.max_in_flight): split it")
         if pending + n > limit:
-            raise _queue_full(f"the server is busy ({pending} requests pending, the limit is {limit}); retry later")
+            raise _queue_full(f"the server is busy ({pending} {what} pending, the limit is {limit}); retry later")
 
     async def guard(self, coro: Awaitable[T], disconnected: Disconnected | None = None) -> T:
         """Await `coro`, mapping engine failures to OpenAIError; with `disconnected`, polled while it runs, cancel it

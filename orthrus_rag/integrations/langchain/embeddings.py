@@ -5,6 +5,7 @@ from __future__ import annotations
 from langchain_core.embeddings import Embeddings
 
 from orthrus_rag.integrations.langchain._base import OrthrusConnection
+from orthrus_rag.retrievers.embedder import BULK_PRIORITY
 
 
 class OrthrusEmbeddings(OrthrusConnection, Embeddings):
@@ -15,6 +16,7 @@ class OrthrusEmbeddings(OrthrusConnection, Embeddings):
     emb = OrthrusEmbeddings(engine=engine)                      # in-process
     emb = OrthrusEmbeddings(base_url="http://127.0.0.1:8000/v1", model="all-minilm-l6-v2")
     emb.embed_query("who wrote Pride and Prejudice?")
+    emb.embed_documents_bulk(texts)   # an ingest: runs only on what queries and generations leave of each step
     ```
     """
 
@@ -27,20 +29,37 @@ class OrthrusEmbeddings(OrthrusConnection, Embeddings):
         return self.model or self.transport.embedding_models[0]
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self._documents(texts, 0)
+
+    def embed_documents_bulk(self, texts: list[str]) -> list[list[float]]:
+        """`embed_documents` as bulk work (priority `BULK_PRIORITY`): the engine's every policy runs it only on the
+        budget that queries and generations leave, so serving latency holds while it runs. What
+        `OrthrusRetriever.add_documents` embeds with."""
+        return self._documents(texts, BULK_PRIORITY)
+
+    def _documents(self, texts: list[str], priority: int) -> list[list[float]]:
         texts = list(texts)
         out: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
-            out.extend(self.transport.embed(texts[start:start + self.batch_size], self._model(), "document"))
+            out.extend(self.transport.embed(texts[start:start + self.batch_size], self._model(), "document",
+                                            priority))
         return out
 
     def embed_query(self, text: str) -> list[float]:
         return self.transport.embed([text], self._model(), "query")[0]
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        return await self._adocuments(texts, 0)
+
+    async def aembed_documents_bulk(self, texts: list[str]) -> list[list[float]]:
+        return await self._adocuments(texts, BULK_PRIORITY)
+
+    async def _adocuments(self, texts: list[str], priority: int) -> list[list[float]]:
         texts = list(texts)
         out: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
-            out.extend(await self.transport.aembed(texts[start:start + self.batch_size], self._model(), "document"))
+            out.extend(await self.transport.aembed(texts[start:start + self.batch_size], self._model(), "document",
+                                                   priority))
         return out
 
     async def aembed_query(self, text: str) -> list[float]:

@@ -36,6 +36,15 @@ class LangChainEmbedder:
     async def aembed_documents(self, texts: list[str]) -> np.ndarray:
         return _matrix(await self.embeddings.aembed_documents(list(texts)))
 
+    # documents added to a live index: bulk work where the embeddings can send it (OrthrusEmbeddings), else as any
+    def embed_documents_bulk(self, texts: list[str]) -> np.ndarray:
+        bulk = getattr(self.embeddings, "embed_documents_bulk", self.embeddings.embed_documents)
+        return _matrix(bulk(list(texts)))
+
+    async def aembed_documents_bulk(self, texts: list[str]) -> np.ndarray:
+        bulk = getattr(self.embeddings, "aembed_documents_bulk", self.embeddings.aembed_documents)
+        return _matrix(await bulk(list(texts)))
+
     async def aembed_query(self, text: str) -> np.ndarray:
         return np.asarray(await self.embeddings.aembed_query(text), dtype=np.float32)
 

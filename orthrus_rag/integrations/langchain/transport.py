@@ -92,15 +92,18 @@ class LocalOrthrus:
         self._thread.join(10)
 
     # ---- the OpenAI API ----------------------------------------------------------------------------------------
-    async def _embed(self, texts: list[str], model: str, input_type: str | None) -> list[list[float]]:
-        body = await self.service.embeddings(EmbeddingRequest(model=model, input=texts, input_type=input_type))
+    async def _embed(self, texts: list[str], model: str, input_type: str | None, priority: int) -> list[list[float]]:
+        body = await self.service.embeddings(EmbeddingRequest(model=model, input=texts, input_type=input_type,
+                                                              priority=priority))
         return [item["embedding"] for item in body["data"]]
 
-    def embed(self, texts: list[str], model: str, input_type: str | None = None) -> list[list[float]]:
-        return self.call(self._embed(texts, model, input_type))
+    def embed(self, texts: list[str], model: str, input_type: str | None = None,
+              priority: int = 0) -> list[list[float]]:
+        return self.call(self._embed(texts, model, input_type, priority))
 
-    async def aembed(self, texts: list[str], model: str, input_type: str | None = None) -> list[list[float]]:
-        return await self.acall(self._embed(texts, model, input_type))
+    async def aembed(self, texts: list[str], model: str, input_type: str | None = None,
+                     priority: int = 0) -> list[list[float]]:
+        return await self.acall(self._embed(texts, model, input_type, priority))
 
     def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
         return self.call(generation.chat(self.service, ChatCompletionRequest.model_validate(payload)))
@@ -192,14 +195,16 @@ class RemoteOrthrus:
             self._models = [m.id for m in self.client.models.list()]
         return self._models
 
-    def embed(self, texts: list[str], model: str, input_type: str | None = None) -> list[list[float]]:
+    def embed(self, texts: list[str], model: str, input_type: str | None = None,
+              priority: int = 0) -> list[list[float]]:
         out = self.client.embeddings.create(model=model, input=texts, encoding_format="base64",
-                                            extra_body=_input_type(input_type))
+                                            extra_body=_extra_fields(input_type, priority))
         return [vector_of(d.embedding).tolist() for d in sorted(out.data, key=lambda d: d.index)]
 
-    async def aembed(self, texts: list[str], model: str, input_type: str | None = None) -> list[list[float]]:
+    async def aembed(self, texts: list[str], model: str, input_type: str | None = None,
+                     priority: int = 0) -> list[list[float]]:
         out = await self.aclient.embeddings.create(model=model, input=texts, encoding_format="base64",
-                                                   extra_body=_input_type(input_type))
+                                                   extra_body=_extra_fields(input_type, priority))
         return [vector_of(d.embedding).tolist() for d in sorted(out.data, key=lambda d: d.index)]
 
     def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -233,6 +238,10 @@ def make_transport(engine: Any = None, base_url: str | None = None, api_key: str
     return RemoteOrthrus(base_url, api_key, timeout, max_retries)
 
 
-def _input_type(input_type: str | None) -> dict[str, Any] | None:
-    """The server's `input_type` field (an embedding adapter's query / document prefix), when there is one."""
-    return {"input_type": input_type} if input_type is not None else None
+def _extra_fields(input_type: str | None, priority: int) -> dict[str, Any] | None:
+    """The server's fields beyond OpenAI's, where set: `input_type` (an embedding adapter's query / document prefix)
+    and `priority` (above 0: bulk work)."""
+    extra = {"input_type": input_type} if input_type is not None else {}
+    if priority:
+        extra["priority"] = priority
+    return extra or None
