@@ -1,5 +1,6 @@
 """`orthrus-rag index deploy=ray`: a local Ray with 2 engine actors builds the same index as one process (the same
-shards and passages, vectors equal within fp32's tolerance, the same top-5), and a killed Ray build resumes."""
+shards and passages, vectors equal within fp32's tolerance, the same top-5), from JSONL and from parquet, and a
+killed Ray build resumes."""
 
 from __future__ import annotations
 
@@ -87,6 +88,23 @@ def test_a_ray_build_resumes_from_its_last_finished_shard(builds, tmp_path: Path
     args = [*COMMON, f"corpus.path={corpus}", f"run_dir={run}", "deploy=ray", "deploy.replicas=2",
             "deploy.num_threads=1", "deploy.ray_num_cpus=2"]
     (run / "config.yaml").write_text((local.parent / "config.yaml").read_text())
+    out = app.index(_compose(*args))
+    assert _state(out) == _state(local)
+    np.testing.assert_allclose(_vectors(out), _vectors(local), atol=1e-5, rtol=0)
+
+
+def test_a_ray_build_reads_a_parquet_corpus_as_one_process_reads_the_jsonl(builds, tmp_path: Path) -> None:
+    """`corpus=hf corpus.hub_id=parquet` enters through Ray Data's `read_parquet`: the same shards and vectors."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corpus, local, _ = builds
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    parquet = tmp_path / "corpus.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet, row_group_size=25)  # NOTE: several blocks, kept in order
+    args = [*COMMON[1:], "corpus=hf", "corpus.hub_id=parquet", f"corpus.data_files=[{parquet}]",
+            f"run_dir={tmp_path / 'run'}", "deploy=ray", "deploy.replicas=1", "deploy.num_threads=1",
+            "deploy.ray_num_cpus=2"]
     out = app.index(_compose(*args))
     assert _state(out) == _state(local)
     np.testing.assert_allclose(_vectors(out), _vectors(local), atol=1e-5, rtol=0)
