@@ -141,12 +141,14 @@ def twin_models(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> t
 
 
 def engine(model: CausalLM, tokenizer: Any, args: argparse.Namespace, dtype: str, policy: str = "orthrus",
-           budget: int | None = None, graphs: bool = True) -> Engine:
+           budget: int | None = None, graphs: bool = True, **scheduler: Any) -> Engine:
+    """`scheduler`: more SchedulerConfig fields (e.g. bulk_step_tokens)."""
     budget = budget or args.budget
     cfg = EngineConfig(model=ModelConfig(name="random", dtype=dtype, device=args.device, cuda_graphs=graphs),
                        cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=min(budget, 2048),
-                                                 max_num_seqs=256, policy=policy))
+                       scheduler=SchedulerConfig(**{"max_num_batched_tokens": budget,
+                                                    "max_chunk_tokens": min(budget, 2048), "max_num_seqs": 256,
+                                                    "policy": policy, **scheduler}))
     return Engine(cfg, model, tokenizer)
 
 

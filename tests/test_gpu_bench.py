@@ -89,3 +89,45 @@ def test_a_divergence_passes_only_at_a_near_tie(bench):
     bench.FAILURES.clear()
     assert not bench.compare_embeddings("embed", "x", [torch.tensor([1.0, 0.0])], [torch.tensor([0.0, 1.0])], 0.999)
     assert bench.FAILURES and bench.compare_embeddings("embed", "y", [torch.ones(3)], [2 * torch.ones(3)], 0.999)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_ingest_dry_run_on_cpu(tmp_path, smol_path):
+    """scripts/gpu_ingest.py (issue 39's table on a GPU) at a tiny shape: each row carries only its own traffic, the
+    bulk ingest runs beside serving, and the ratios and files are written."""
+    ingest = _load("gpu_ingest")
+    result = ingest.main(["--device", "cpu", "--shape", "tiny", "--kv-cache-gib", "0.02", "--budget", "256",
+                          "--clients", "4", "--ingest-window", "4", "--query-len", "16", "--prompt-len", "16",
+                          "--new-tokens", "4", "--passage-len", "32", "--warmup-s", "0.5", "--window-s", "1.5",
+                          "--tokenizer", str(smol_path), "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert set(rows["idle ingest"]) & {"embed", "generate"} == set() and rows["idle ingest"]["ingest"]["per_s"] > 0
+    assert "ingest" not in rows["serving"] and all(rows["serving"][k]["per_s"] > 0 for k in ("embed", "generate"))
+    both = rows["serving + ingest"]
+    assert all(both[k]["per_s"] > 0 for k in ("embed", "generate", "ingest"))
+    r = result["ratios"]
+    assert r["ingest_x_idle"] == both["ingest"]["per_s"] / rows["idle ingest"]["ingest"]["per_s"]
+    assert r["generate_p95_x"] == both["generate"]["p95_s"] / rows["serving"]["generate"]["p95_s"]
+    assert json.loads((tmp_path / "results.json").read_text())["env"]["device"] == "cpu"
+    assert "| serving + ingest |" in (tmp_path / "table.md").read_text()
+
+
+def test_gpu_ingest_goal_needs_both_p95s_and_the_ingest_rate():
+    ingest = _load("gpu_ingest")
+
+    def rows(p95: float, rate: float) -> dict:
+        kind = {"per_s": 10.0, "p50_s": 0.1, "p95_s": 0.2}
+        return {"idle ingest": {"ingest": {"per_s": 100.0, "p50_s": 1, "p95_s": 1}},
+                "serving": {"embed": kind, "generate": kind},
+                "serving + ingest": {"embed": kind, "generate": {**kind, "p95_s": 0.2 * p95},
+                                     "ingest": {"per_s": rate, "p50_s": 1, "p95_s": 1}}}
+
+    assert ingest.ratios(rows(1.05, 60.0))["goal_met"]
+    assert not ingest.ratios(rows(1.2, 60.0))["goal_met"]  # a kind's p95 past 1.1x
+    assert not ingest.ratios(rows(1.0, 40.0))["goal_met"]  # ingest under half the idle rate
