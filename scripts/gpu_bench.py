@@ -132,12 +132,32 @@ def twin_models(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> t
         hf = LlamaForCausalLM(cfg).to(dtype).eval()
         ours = CausalLM(cfg)
     ours.load_state_dict({k: v for k, v in hf.state_dict().items() if "rotary" not in k}, strict=True)
+    return ready(ours, cfg, dtype, device), hf
+
+
+def random_model(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Ours alone, initialised as transformers initialises a Llama (normal(0, initializer_range) matrices, unit
+    norms), without building transformers' copy."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        ours = CausalLM(cfg)
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, cfg.initializer_range)
+            else:
+                p.fill_(1.0)
+    return ready(ours, cfg, dtype, device)
+
+
+def ready(ours: CausalLM, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """`ours` in `dtype` for inference: rotary tables and fused projections as the engine's loader leaves them."""
     ours = ours.to(dtype).eval()
     from orthrus_rag.models.llama import RotaryEmbedding  # the table is computed in fp32 on CPU, then moved
 
     ours.model.rotary_emb = RotaryEmbedding(cfg, ours.model.layers[0].self_attn.head_dim).to(device)
     ours.fuse_projections()
-    return ours, hf
+    return ours
 
 
 def engine(model: CausalLM, tokenizer: Any, args: argparse.Namespace, dtype: str, policy: str = "orthrus",

@@ -1,7 +1,7 @@
 """Issue 39's table on a GPU: serving under a closed-loop load with and without a concurrent bulk ingest, in one
 engine on random weights (what `scripts/bench_ingest.py` measures on a CPU with the real models).
 
-    PYTHONPATH=$PWD python3 scripts/gpu_ingest.py --tokenizer tok/ --out $OUT/gpu_ingest     # H200: ~4 minutes
+    PYTHONPATH=$PWD python3 scripts/gpu_ingest.py --tokenizer tok/ --out $OUT/gpu_ingest     # H200: ~4 min (est.)
     python scripts/gpu_ingest.py --device cpu --shape tiny --window-s 2 --warmup-s 0.5 ...    # dry run (tests)
 
 Needs only torch, transformers and the project (no weights, no FAISS): a random-initialised Llama of `--shape`
@@ -14,7 +14,9 @@ measured over `--window-s` after `--warmup-s` on the same warm engine:
    generations of `--prompt-len` + `--new-tokens`, ignore_eos): each kind's p50 / p95 and req/s;
 3. `serving + ingest`: both at once: each kind's p95 and req/s against row 2, the ingest rate against row 1.
 
-Goal (issue 39): each kind's p95 within 1.1x of row 2 and the ingest at >= 0.5x row 1. The index add of the
+A request counts in a row when it finishes inside the window (one started in the warm-up included), as the CPU
+benchmarks' driver counts; percentiles as numpy's. A row that has not drained `--drain-timeout-s` after its window
+is cut there (its requests are aborted). Goal (issue 39): each kind's p95 within 1.1x of row 2 and the ingest at >= 0.5x row 1. The index add of the
 vectors is left out: it runs on the host beside the engine's steps (a FAISS add under a lock). Prints one JSON line
 per row and writes results.json and table.md under `--out`.
 """
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -42,6 +45,7 @@ from orthrus_rag import PoolingParams, SamplingParams  # noqa: E402
 from orthrus_rag.engine.async_engine import AsyncEngine  # noqa: E402
 
 GOAL_P95, GOAL_INGEST = 1.1, 0.5
+# NOTE: retrievers' BULK_PRIORITY (1), not imported: that package needs FAISS, which the GPU machine lacks
 BULK = PoolingParams(pooling="mean", priority=1)
 QUERY = PoolingParams(pooling="mean")
 
@@ -89,10 +93,10 @@ def summary(records: list[tuple[str, float, float]], t0: float, t1: float) -> di
     """Per kind: requests finished in [t0, t1] a second, and their latency p50 / p95."""
     out: dict[str, Any] = {}
     for kind in ("embed", "generate", "ingest"):
-        lat = sorted(end - start for k, start, end in records if k == kind and t0 <= end <= t1)
+        lat = [end - start for k, start, end in records if k == kind and t0 <= end <= t1]
         if lat:
-            out[kind] = {"per_s": len(lat) / (t1 - t0), "p50_s": statistics.median(lat),
-                         "p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
+            p50, p95 = np.percentile(lat, [50, 95])
+            out[kind] = {"per_s": len(lat) / (t1 - t0), "p50_s": float(p50), "p95_s": float(p95)}
     return out
 
 
@@ -101,14 +105,19 @@ async def measure(aengine: AsyncEngine, args: argparse.Namespace, vocab: int, se
     begin = time.monotonic()
     t0, t1 = begin + args.warmup_s, begin + args.warmup_s + args.window_s
     load = Load(aengine, args, vocab, t1)
-    steps: list[Any] = []
-    unobserve = aengine.observe_steps(steps.append)
+    seen: list[tuple[float, Any]] = []
+    # NOTE: the observer runs on the engine's thread; a list append is atomic there
+    unobserve = aengine.observe_steps(lambda stats: seen.append((time.monotonic(), stats)))
+    cut = False
     try:
-        await load.run(serve, ingest)
+        await asyncio.wait_for(load.run(serve, ingest), t1 + args.drain_timeout_s - time.monotonic())
+    except asyncio.TimeoutError:
+        cut = True  # NOTE: wait_for cancelled the clients; cancelling an awaited request aborts it in the engine
     finally:
         unobserve()
+    steps = [stats for t, stats in seen if t0 <= t <= t1]
     tokens = [s.num_embed_tokens + s.num_prefill_tokens + s.num_decode_tokens + s.num_encoder_tokens for s in steps]
-    return {**summary(load.records, t0, t1), "steps": len(steps),  # NOTE: the row's steps, warm-up included
+    return {**summary(load.records, t0, t1), "steps": len(steps), "cut": cut,
             "tokens_per_step": statistics.mean(tokens) if tokens else 0.0,
             "step_ms_median": 1e3 * statistics.median(s.step_time for s in steps) if steps else 0.0}
 
@@ -123,8 +132,10 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out[f"{kind}_per_s_x"] = both[kind]["per_s"] / alone[kind]["per_s"]
     out["ingest_x_idle"] = (both.get("ingest", {}).get("per_s", 0.0) / idle["ingest"]["per_s"]
                             if "ingest" in idle else None)
-    p95s = [v for k, v in out.items() if k.endswith("_p95_x")]
-    out["goal_met"] = bool(p95s) and max(p95s) <= GOAL_P95 and (out["ingest_x_idle"] or 0.0) >= GOAL_INGEST
+    # NOTE: a kind that finished nothing beside the ingest has no p95 there: starved, so the goal fails
+    p95s = [out.get(f"{kind}_p95_x") for kind in ("embed", "generate")]
+    out["goal_met"] = (all(x is not None and x <= GOAL_P95 for x in p95s)
+                       and (out["ingest_x_idle"] or 0.0) >= GOAL_INGEST)
     return out
 
 
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--bulk-step-tokens", type=int, default=None,
                     help="scheduler.bulk_step_tokens: the most bulk tokens a step takes beside serving work "
                          "(default: all the budget serving leaves)")
+    ap.add_argument("--bulk-min-tokens", type=int, default=0,
+                    help="scheduler.bulk_min_tokens: budget tokens a step reserves for waiting bulk work")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="scheduler.max_num_seqs")
     ap.add_argument("--kv-cache-gib", type=float, default=24.0)
     ap.add_argument("--clients", type=int, default=64)
@@ -178,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ingest-window", type=int, default=256, help="bulk embeddings in flight")
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=40.0)
+    ap.add_argument("--drain-timeout-s", type=float, default=120.0,
+                    help="after its window, a row's requests in flight get this long to finish, then are aborted")
     ap.add_argument("--out", default="runs/gpu_ingest")
     args = ap.parse_args(argv)
     if args.tokenizer is None:
@@ -192,11 +207,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "device_name": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     print(json.dumps({"event": "start", **env}), flush=True)
     cfg = gb.llama_config(gb.SHAPES[args.shape], vocab, tokenizer)
-    model, hf = gb.twin_models(cfg, getattr(torch, dtype), dev)
-    del hf  # NOTE: only its random weights were wanted
-    gb.release(dev)
-    engine = gb.engine(model, tokenizer, args, dtype, args.policy, args.budget,
-                       bulk_step_tokens=args.bulk_step_tokens, max_num_seqs=args.max_num_seqs)
+    model = gb.random_model(cfg, getattr(torch, dtype), dev)
+    engine = gb.engine(model, tokenizer, args, dtype, args.policy, args.budget, bulk_step_tokens=args.bulk_step_tokens,
+                       bulk_min_tokens=args.bulk_min_tokens, max_num_seqs=args.max_num_seqs)
 
     async def go() -> dict[str, dict[str, Any]]:
         # NOTE: both kinds' quotas hold every client and the whole ingest window

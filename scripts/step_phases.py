@@ -2,11 +2,12 @@
 
     python scripts/step_phases.py --threads 1 --batch 32 --dtype auto [--option linear_kernel=onednn]
     python scripts/step_phases.py --threads 1 --batch 8 --prompt-len 256 --tokens 1   # prefill steps
+    python scripts/step_phases.py --threads 2 --batch 22 --prompt-len 45 --tokens 40 --embeds 280   # 9:1-like
 
 Wraps the engine's step, the runner's execute / prepare / forward, the attention backend's plan and forward,
 the C++ decode and prefill kernels, the logits and the sampler with timers (the torch profiler does not see the C++
-kernels or Python between ops), runs `--batch` prompts of `--prompt-len` tokens to `--tokens` new tokens and prints
-ms per step. The layer-level timers (attention, its kernels) fire only on the Python layer loop: with the C++ one
+kernels or Python between ops), runs `--batch` prompts of `--prompt-len` tokens to `--tokens` new tokens (with
+`--embeds` embedding inputs of `--embed-len` tokens in the same steps) and prints ms per step. The layer-level timers (attention, its kernels) fire only on the Python layer loop: with the C++ one
 (`cpu_layer_loop`, on by default) the forward is one call; `--option cpu_layer_loop=false` looks inside it.
 """
 
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from orthrus_rag import Engine, SamplingParams
+from orthrus_rag import Engine, PoolingParams, SamplingParams
 from orthrus_rag.engine.core import scheduler as scheduler_module
 from orthrus_rag.engine.engine import Engine as EngineClass
 from orthrus_rag.engine.executor import runner as runner_module
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=33)
     ap.add_argument("--prompt-len", type=int, default=33, help="prompt tokens (256 with --tokens 1: prefill steps)")
+    ap.add_argument("--embeds", type=int, default=0,
+                    help="embedding inputs (mean pooling) submitted with the prompts: shared steps")
+    ap.add_argument("--embed-len", type=int, default=33)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--option", action="append", default=[], help="an engine option NAME=VALUE; repeatable")
     args = ap.parse_args()
@@ -72,10 +76,13 @@ def main() -> None:
     engine.generate(warmup, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     TOTALS.clear()
     steps = engine.num_steps
-    engine.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
+    texts = [list(range(20_000 + i, 20_000 + i + args.embed_len)) for i in range(args.embeds)]
+    engine.run(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True), texts=texts,
+               pooling_params=PoolingParams(pooling="mean"))
     steps = engine.num_steps - steps
     dtype = engine.runner.kv_caches[0][0].dtype
-    print(f"{args.model}, {dtype}, batch {args.batch}, {args.threads} thread(s), {steps} steps")
+    print(f"{args.model}, {dtype}, batch {args.batch}, {args.embeds} embeddings, {args.threads} thread(s), "
+          f"{steps} steps")
     for label, seconds in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
         print(f"  {label:28s} {seconds / steps * 1e3:8.2f} ms/step")
 

@@ -19,12 +19,16 @@ TINY = ["--device", "cpu", "--shape", "tiny", "--kv-cache-gib", "0.02", "--budge
         "--mixed-generations", "4", "--mixed-embeddings", "8", "--policies", "orthrus", "hetero-fcfs"]
 
 
-@pytest.fixture
-def bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "scripts" / "gpu_bench.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def bench():
+    return _load("gpu_bench")
 
 
 def test_gpu_bench_dry_run_on_cpu(bench, tmp_path, smol_path):
@@ -91,13 +95,6 @@ def test_a_divergence_passes_only_at_a_near_tie(bench):
     assert bench.FAILURES and bench.compare_embeddings("embed", "y", [torch.ones(3)], [2 * torch.ones(3)], 0.999)
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_ingest_dry_run_on_cpu(tmp_path, smol_path):
     """scripts/gpu_ingest.py (issue 39's table on a GPU) at a tiny shape: each row carries only its own traffic, the
     bulk ingest runs beside serving, and the ratios and files are written."""
@@ -131,3 +128,6 @@ def test_gpu_ingest_goal_needs_both_p95s_and_the_ingest_rate():
     assert ingest.ratios(rows(1.05, 60.0))["goal_met"]
     assert not ingest.ratios(rows(1.2, 60.0))["goal_met"]  # a kind's p95 past 1.1x
     assert not ingest.ratios(rows(1.0, 40.0))["goal_met"]  # ingest under half the idle rate
+    starved = rows(1.0, 60.0)
+    del starved["serving + ingest"]["embed"]  # no embedding finished beside the ingest
+    assert not ingest.ratios(starved)["goal_met"]

@@ -120,7 +120,9 @@ def test_components_against_the_server(served):
     np.testing.assert_allclose(got, np.stack([t.numpy() for t in served.reference]), atol=1e-6, rtol=0)
     with embed_priorities(served.engine) as seen:  # bulk over HTTP: the server's `priority` field
         bulk = np.asarray(emb.embed_documents_bulk(SERVED_REFERENCE_TEXTS))
-    assert [p for _, p in seen] == [1, 1]
+    from orthrus_rag.retrievers.embedder import BULK_PRIORITY
+
+    assert [p for _, p in seen] == [BULK_PRIORITY] * 2
     np.testing.assert_allclose(bulk, got, atol=1e-6, rtol=0)
     retriever = OrthrusRetriever.from_texts(TEXTS, emb, titles=TITLES, k=1)
     chat = ChatOrthrus(base_url=served.url, max_tokens=6, temperature=0)
@@ -158,7 +160,9 @@ def test_the_retriever_takes_documents_and_deletions_as_a_vector_store_does(loca
         retriever.add_documents([Document("again", id="bach")])
     assert retriever.delete(["bach"]) == ["bach"]
     assert retriever.invoke(question)[0].metadata["title"] != "Bach"
-    assert asyncio.run(retriever.aadd_documents([bach])) == ["bach"]
+    with embed_priorities(local.client.engine) as seen:
+        assert asyncio.run(retriever.aadd_documents([bach])) == ["bach"]
+    assert [p for _, p in seen] == [BULK_PRIORITY]
     assert asyncio.run(retriever.ainvoke(question))[0].id == "bach"
 
     # a saved index: what LangChain adds is in its folder for the next process

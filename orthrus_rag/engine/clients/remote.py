@@ -133,7 +133,9 @@ class RemoteClient:
         if prefix and any(not isinstance(t, str) for t in texts):
             raise ValueError("an instruction prefixes text; token-id inputs cannot take one here")
         args: dict[str, Any] = {"model": model, "input": inputs, "encoding_format": "base64"}
-        if params is not None and params.priority:  # NOTE: the server's (and vLLM's) field; bulk work when > 0
+        # NOTE: the server's (and vLLM's) field: bulk work above 0, and a pipeline's queries (-1) latency-critical
+        # there as they are in-process
+        if params is not None and params.priority:
             args["extra_body"] = {"priority": params.priority}
         return args
 

@@ -153,8 +153,9 @@ class EmbeddingRequest(_Strict):
     user: str | None = Field(None, max_length=256)
     # Cohere's and Voyage's field: an embedding adapter with query / document prefixes gets the right one
     input_type: Literal["query", "document"] | None = None
-    # vLLM's field: lower runs sooner; above 0 is bulk work (documents ingested while serving), which every policy
-    # runs only on the budget queries and generations leave, and which counts against the bulk in-flight limit
+    # vLLM's field: lower runs sooner. Below 0 is latency-critical (what the pipelines send for a hop's query);
+    # above 0 is bulk work (documents ingested while serving): scheduled below queries and generations under every
+    # policy (scheduler.bulk_step_tokens / bulk_min_tokens), and held to the in-process engine's bulk in-flight limit
     priority: int = 0
 
 

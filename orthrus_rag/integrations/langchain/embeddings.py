@@ -32,8 +32,8 @@ class OrthrusEmbeddings(OrthrusConnection, Embeddings):
         return self._documents(texts, 0)
 
     def embed_documents_bulk(self, texts: list[str]) -> list[list[float]]:
-        """`embed_documents` as bulk work (priority `BULK_PRIORITY`): the engine's every policy runs it only on the
-        budget that queries and generations leave, so serving latency holds while it runs. What
+        """`embed_documents` as bulk work (priority `BULK_PRIORITY`): every scheduling policy puts it below queries
+        and generations (within `scheduler.bulk_step_tokens` / `bulk_min_tokens`). What
         `OrthrusRetriever.add_documents` embeds with."""
         return self._documents(texts, BULK_PRIORITY)
 
@@ -52,6 +52,7 @@ class OrthrusEmbeddings(OrthrusConnection, Embeddings):
         return await self._adocuments(texts, 0)
 
     async def aembed_documents_bulk(self, texts: list[str]) -> list[list[float]]:
+        """`embed_documents_bulk` on the caller's event loop."""
         return await self._adocuments(texts, BULK_PRIORITY)
 
     async def _adocuments(self, texts: list[str], priority: int) -> list[list[float]]:
