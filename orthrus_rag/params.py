@@ -233,6 +233,12 @@ class EmbeddingRoute:
         return f"decoder+{self.adapter}" if self.adapter else "decoder"
 
 
+def is_bulk(params: SamplingParams | PoolingParams | None) -> bool:
+    """Whether a request of `params` is bulk work (priority above 0, e.g. a corpus ingest): what the scheduler runs
+    only on the budget other work leaves, and what a front end counts against its bulk in-flight limit."""
+    return getattr(params, "priority", 0) > 0
+
+
 def _can(kinds: Mapping[str, str], name: str, kind: str) -> bool:
     return kinds.get(name, "embed") in (kind, "both")  # NOTE: a slot without a kind is an embedding adapter
 

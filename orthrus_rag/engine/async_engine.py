@@ -29,7 +29,7 @@ from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.engine import Engine, EngineLoop, StepFailed
 from orthrus_rag.machine import release_openmp_pool
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, StepStats
-from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, is_bulk
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ class AsyncEngine:
         if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
-        bulk = getattr(params, "priority", 0) > 0
+        bulk = is_bulk(params)
         if bulk and self._num_bulk_in_flight >= self.max_bulk_in_flight:
             raise EngineQueueFull(f"{self._num_bulk_in_flight} bulk requests are pending; the limit is "
                                   f"{self.max_bulk_in_flight}")

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import PoolingParams, SamplingParams, is_bulk
 
 
 class RequestKind(enum.Enum):
@@ -75,7 +75,7 @@ class Request:
     @property
     def is_bulk(self) -> bool:
         """Background work (priority > 0, e.g. a corpus ingest): it takes only the budget other work leaves."""
-        return self.priority > 0
+        return is_bulk(self.pooling_params if self.is_embed else self.sampling_params)
 
     @property
     def num_prompt_tokens(self) -> int:

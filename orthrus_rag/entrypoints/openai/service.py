@@ -27,7 +27,7 @@ from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
 from orthrus_rag.entrypoints.openai.schemas import MAX_INPUTS, MAX_TEXT_CHARS, EmbeddingRequest, ModelCard, ModelList
 from orthrus_rag.outputs import GenerationOutput
-from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, StructuredOutputsParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, StructuredOutputsParams, is_bulk
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
@@ -123,7 +123,7 @@ class OpenAIService:
         if req.dimensions is not None and width is not None and req.dimensions != width:
             raise bad_request(f"dimensions={req.dimensions} is not supported: {req.model} gives {width}-dimensional "
                               "vectors", "dimensions")
-        self.reserve(len(inputs), bulk=req.priority > 0)
+        self.reserve(len(inputs), bulk=is_bulk(params))
         outs = await self.guard(self.client.embed_many(inputs, params), disconnected)
         data, tokens = [], 0
         for i, out in enumerate(outs):
