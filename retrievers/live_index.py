@@ -5,9 +5,9 @@ A saved (trained) index stays as it was built; documents added later go into a g
 both parts, drops the tombstoned rows and merges by score, so a passage is searchable as soon as its `add` returns
 and gone as soon as its `delete` returns.
 
-Durability (`folder` given): every add writes its passages (an Arrow shard) and vectors (`.npy`) as new files,
-atomically, then the live manifest `live/live.json` (the segments and the tombstones), atomically; only then does the
-add change what searches see. A process killed at any point leaves the old manifest or the new one, never a torn
+Durability (`folder` given; the files are live_segments.py's): every add writes its passages (an Arrow shard) and
+vectors (`.npy`) as new files, atomically, then the live manifest `live/live.json` (the segments and the
+tombstones), atomically; only then does the add change what searches see. A process killed at any point leaves the old manifest or the new one, never a torn
 one, and files the manifest does not name are removed at the next open. Small segments are merged as they
 accumulate (each merge writes one new segment, then the manifest), so they stay at most ~log2(added) in number.
 
@@ -21,29 +21,24 @@ BM25 (bm25s) takes no incremental adds, so only the dense kind is live; document
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from orthrus_rag.atomic import atomic_write
 from orthrus_rag.data.types import Passage
 from orthrus_rag.engine.clients.protocol import RequestFailed
 from orthrus_rag.retrievers import store
 from orthrus_rag.retrievers.dense import DenseRetriever, Hit
 from orthrus_rag.retrievers.embedder import Embedder, EngineEmbedder
 from orthrus_rag.retrievers.faiss_index import build_index, import_faiss, search_params
-from orthrus_rag.retrievers.passage_store import PassageStore, read_shard, write_shard
+from orthrus_rag.retrievers.live_segments import LiveState, SegmentFiles
+from orthrus_rag.retrievers.passage_store import PassageStore
 
 logger = logging.getLogger(__name__)
-
-LIVE_DIR, LIVE_MANIFEST = "live", "live.json"
-LIVE_FORMAT = 1
 
 
 class DocumentError(ValueError):
@@ -56,41 +51,6 @@ class DocumentError(ValueError):
         self.problems, self.status = problems, status
 
 
-@dataclass
-class _Segment:
-    name: str
-    n: int
-
-
-@dataclass
-class _LiveState:
-    """What `live/live.json` holds: the live segments in order, the tombstoned positions, the next file number."""
-
-    base_passages: int
-    segments: list[_Segment] = field(default_factory=list)
-    deleted: list[int] = field(default_factory=list)
-    next_number: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format_version": LIVE_FORMAT, "base_passages": self.base_passages,
-                "segments": [{"name": s.name, "n": s.n} for s in self.segments],
-                "deleted": sorted(self.deleted), "next_number": self.next_number}
-
-    def copy(self) -> "_LiveState":
-        return _LiveState(self.base_passages, list(self.segments), list(self.deleted), self.next_number)
-
-    @classmethod
-    def from_json(cls, path: Path) -> "_LiveState":
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            if raw.get("format_version") != LIVE_FORMAT:
-                raise ValueError(f"format_version {raw.get('format_version')!r}; this version reads {LIVE_FORMAT}")
-            return cls(int(raw["base_passages"]), [_Segment(str(s["name"]), int(s["n"])) for s in raw["segments"]],
-                       [int(p) for p in raw["deleted"]], int(raw["next_number"]))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{path} is corrupt: {exc}") from exc
-
-
 class LiveIndex:
     """Search, add and delete over one dense index (see the module's docstring). `base`: a loaded or built
     `DenseRetriever`; `folder`: the saved index it was loaded from (adds and deletes are kept there), or None
@@ -101,11 +61,12 @@ class LiveIndex:
             raise ValueError("a live index needs a built or loaded dense index")
         self.base, self.embedder, self.spec = base, base.embedder, base.spec
         self.folder = Path(folder) if folder is not None else None
+        self._files = SegmentFiles(self.folder)
         self.dimension = int(base.dimension)
         self._lock = threading.Lock()  # what a search reads: the segment index, passages, tombstones
         self._write_lock = threading.Lock()  # one writer at a time: its checks, files and manifest
         n_base = len(base.passages)
-        self._state = _LiveState(n_base)
+        self._state = LiveState(n_base)
         self._live_passages: list[Passage] = []
         self._segment = self._flat()
         self._deleted: set[int] = set()
@@ -268,7 +229,7 @@ class LiveIndex:
                 positions = [self._positions[i] for i in ids]
             state = self._state.copy()
             state.deleted = sorted(set(state.deleted) | set(positions))
-            self._write_state(state)
+            self._files.write_state(state)
             with self._lock:
                 self._state = state
                 self._deleted.update(positions)
@@ -326,15 +287,15 @@ class LiveIndex:
             self._check_absent(passages)  # NOTE: again: another add of the same id may have finished meanwhile
             state = self._state.copy()
             live = self._live_passages + passages  # NOTE: a new list: searches keep reading the old one
-            state.segments.append(self._new_segment(state, passages, vectors))
+            state.segments.append(self._files.new_segment(state, passages, vectors))
             # NOTE: while the newest segment is at least as large as the one before it, the two become one (a
             # binary counter: ~log2(added) segments on disk, each passage rewritten ~log2(added) times)
             while self.folder is not None and len(state.segments) >= 2 and state.segments[-1].n >= state.segments[-2].n:
                 n = state.segments[-2].n + state.segments[-1].n
                 first = sum(s.n for s in state.segments[:-2])
-                state.segments[-2:] = [self._new_segment(state, live[first:first + n],
+                state.segments[-2:] = [self._files.new_segment(state, live[first:first + n],
                                                          self._live_rows(first, n, vectors))]
-            self._write_state(state)
+            self._files.write_state(state)
             with self._lock:
                 start = self._state.base_passages + len(self._live_passages)
                 self._segment.add(vectors)
@@ -342,7 +303,7 @@ class LiveIndex:
                 for offset, p in enumerate(passages):
                     self._positions[p.id] = start + offset
                 self._state = state
-            self._remove_unlisted(state)
+            self._files.remove_unlisted(state)
         logger.info("added %d document(s); %d present", len(passages), len(self._positions))
 
     def _live_rows(self, first: int, n: int, pending: np.ndarray) -> np.ndarray:
@@ -353,59 +314,13 @@ class LiveIndex:
             parts.append(pending[max(0, first - held):first + n - held])
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
-    # ---- files ------------------------------------------------------------------------------------------------
-    def _live_dir(self) -> Path:
-        assert self.folder is not None
-        return self.folder / LIVE_DIR
-
-    def _new_segment(self, state: _LiveState, passages: list[Passage], vectors: np.ndarray) -> _Segment:
-        """A segment of `passages` (written, atomically, when the index has a folder)."""
-        name = f"segment-{state.next_number:06d}"
-        state.next_number += 1
-        if self.folder is not None:
-            live = self._live_dir()
-            live.mkdir(parents=True, exist_ok=True)
-            write_shard(live / f"{name}.arrow", passages)
-            with atomic_write(live / f"{name}.npy") as f:
-                np.save(f, vectors)
-        return _Segment(name, len(passages))
-
-    def _write_state(self, state: _LiveState) -> None:
-        if self.folder is None:
-            return
-        live = self._live_dir()
-        live.mkdir(parents=True, exist_ok=True)
-        with atomic_write(live / LIVE_MANIFEST, "w") as f:
-            f.write(json.dumps(state.to_json(), indent=1) + "\n")
-
-    def _remove_unlisted(self, state: _LiveState) -> None:
-        """Files of segments the manifest no longer names (merged away, or left by a killed add)."""
-        if self.folder is None or not self._live_dir().is_dir():
-            return
-        keep = {f"{s.name}{ext}" for s in state.segments for ext in (".arrow", ".npy")} | {LIVE_MANIFEST}
-        for path in self._live_dir().iterdir():
-            if path.name not in keep and not path.name.startswith("."):
-                path.unlink(missing_ok=True)
-
+    # ---- files (live_segments.py) ------------------------------------------------------------------------------
     def _load_live(self) -> None:
-        live = self._live_dir()
-        path = live / LIVE_MANIFEST
-        if not path.is_file():
+        state = self._files.read_state(len(self.base.passages))
+        if state is None:
             return
-        state = _LiveState.from_json(path)
-        if state.base_passages != len(self.base.passages):
-            raise ValueError(f"{path} was written over an index of {state.base_passages} passages; {self.folder} "
-                             f"holds {len(self.base.passages)} (was it rebuilt? remove {live} to start over)")
-        for seg in state.segments:
-            try:
-                passages = read_shard(live / f"{seg.name}.arrow")
-                vectors = np.load(live / f"{seg.name}.npy")
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"{live} is damaged: segment {seg.name} cannot be read ({exc})") from exc
-            if len(passages) != seg.n or vectors.shape != (seg.n, self.dimension):
-                raise ValueError(f"{live} is damaged: segment {seg.name} holds {len(passages)} passages and "
-                                 f"vectors of shape {vectors.shape}; the manifest says {seg.n} x {self.dimension}")
-            self._segment.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        for passages, vectors in self._files.read_segments(state, self.dimension):
+            self._segment.add(vectors)
             start = state.base_passages + len(self._live_passages)
             self._live_passages.extend(passages)
             for offset, p in enumerate(passages):
@@ -416,7 +331,7 @@ class LiveIndex:
                 del self._positions[pid]
         # NOTE: a base id deleted and added again is present at its live position, found by the pass above
         self._state = state
-        self._remove_unlisted(state)
+        self._files.remove_unlisted(state)
         logger.info("live index %s: %d added, %d deleted since it was built", self.folder,
                     len(self._live_passages), len(self._deleted))
 

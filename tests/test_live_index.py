@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from orthrus_rag.data.types import Passage
 from orthrus_rag.retrievers import DenseRetriever, DocumentError, LiveIndex
-from orthrus_rag.retrievers.live_index import LIVE_DIR, LIVE_MANIFEST
+from orthrus_rag.retrievers.live_segments import LIVE_DIR, LIVE_MANIFEST
 
 from tests.test_retriever import HashEmbedder, make_corpus
 

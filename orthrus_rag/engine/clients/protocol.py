@@ -103,6 +103,18 @@ class EngineClient(Protocol):
         ...
 
 
+@runtime_checkable
+class BulkQuota(Protocol):
+    """What a client that keeps bulk requests (priority > 0, params.is_bulk) to a limit of their own has beside
+    `EngineClient`'s: only `AsyncEngine` does; every other client counts them under its one `max_in_flight`."""
+
+    @property
+    def max_bulk_in_flight(self) -> int: ...
+
+    @property
+    def num_bulk_in_flight(self) -> int: ...
+
+
 def refuse_inside_event_loop() -> None:
     """A blocking call from inside a running event loop would stall the loop it waits on."""
     try:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orthrus_rag.engine.clients.protocol import (
+    BulkQuota,
     EngineClient,
     EngineQueueFull,
     EngineShutdown,
@@ -211,9 +212,9 @@ class OpenAIService:
     def reserve(self, n: int, bulk: bool = False) -> None:
         """Room for `n` more requests under the client's in-flight limit, or an error (nothing is submitted then):
         a 400 naming the limit when `n` alone passes it (waiting cannot help), else a retryable 429. `bulk`
-        (priority > 0): the client's bulk limit, where it keeps one apart (AsyncEngine's `max_bulk_in_flight`)."""
+        (priority > 0): the client's bulk limit, where it keeps one apart (`BulkQuota`: AsyncEngine)."""
         limit, pending, what = self.client.max_in_flight, self.client.num_in_flight, "requests"
-        if bulk and hasattr(self.client, "max_bulk_in_flight"):
+        if bulk and isinstance(self.client, BulkQuota):
             limit, pending, what = self.client.max_bulk_in_flight, self.client.num_bulk_in_flight, "bulk requests"
         if n > limit:
             raise bad_request(f"this request needs {n} engine {what} (one per input, prompt and choice); the "
