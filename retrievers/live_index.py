@@ -7,9 +7,10 @@ and gone as soon as its `delete` returns.
 
 Durability (`folder` given; the files are live_segments.py's): every add writes its passages (an Arrow shard) and
 vectors (`.npy`) as new files, atomically, then the live manifest `live/live.json` (the segments and the
-tombstones), atomically; only then does the add change what searches see. A process killed at any point leaves the old manifest or the new one, never a torn
-one, and files the manifest does not name are removed at the next open. Small segments are merged as they
-accumulate (each merge writes one new segment, then the manifest), so they stay at most ~log2(added) in number.
+tombstones), atomically; only then does the add change what searches see. A process killed at any point leaves
+the old manifest or the new one, never a torn one, and files the manifest does not name are removed at the next
+open. Small segments are merged as they accumulate (each merge writes one new segment, then the manifest), so they
+stay at most ~log2(added) in number.
 
 Positions: the saved index's passages are 0..N-1 (its FAISS ids); the live passages follow in the order they
 were added. Ids are the passages' own: an id can be present once; deleting it frees it for a new add.
