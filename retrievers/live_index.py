@@ -291,11 +291,11 @@ class LiveIndex:
             state.segments.append(self._files.new_segment(state, passages, vectors))
             # NOTE: while the newest segment is at least as large as the one before it, the two become one (a
             # binary counter: ~log2(added) segments on disk, each passage rewritten ~log2(added) times)
-            while self.folder is not None and len(state.segments) >= 2 and state.segments[-1].n >= state.segments[-2].n:
-                n = state.segments[-2].n + state.segments[-1].n
-                first = sum(s.n for s in state.segments[:-2])
-                state.segments[-2:] = [self._files.new_segment(state, live[first:first + n],
-                                                         self._live_rows(first, n, vectors))]
+            segs = state.segments  # NOTE: merged in place (slice assignment): the state's own list
+            while self._files.dir is not None and len(segs) >= 2 and segs[-1].n >= segs[-2].n:
+                n = segs[-2].n + segs[-1].n
+                first = sum(s.n for s in segs[:-2])
+                segs[-2:] = [self._files.new_segment(state, live[first:first + n], self._live_rows(first, n, vectors))]
             self._files.write_state(state)
             with self._lock:
                 start = self._state.base_passages + len(self._live_passages)

@@ -12,6 +12,7 @@ from orthrus_rag.data.types import Passage, QAExample
 
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.clients import DeploymentClient, EngineClient, RemoteClient
+from orthrus_rag.engine.clients.protocol import BulkQuota
 from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 from tests.conftest import SERVED_REFERENCE_TEXTS
 from tests.fake_engine import FakeEngine
@@ -35,6 +36,21 @@ def test_every_front_end_has_the_whole_protocol(make):
     assert wanted <= have, sorted(wanted - have)
     for name in ("generate", "embed", "embed_many", "abort", "aclose"):
         assert inspect.iscoroutinefunction(getattr(type(client), name)), name
+    if isinstance(client, DeploymentClient):
+        client.shutdown()
+
+
+@pytest.mark.parametrize("make,keeps_one", [
+    (lambda: AsyncEngine(FakeEngine(), max_in_flight=4, max_bulk_in_flight=8), True),
+    (lambda: DeploymentClient(_Idle(), embedding_space=EmbeddingSpace("m")), False),
+    (lambda: RemoteClient("http://127.0.0.1:9/v1"), False),
+], ids=["in-process", "deployment", "remote"])
+def test_only_the_in_process_engine_keeps_a_bulk_quota_apart(make, keeps_one):
+    """The server holds bulk requests to `BulkQuota`'s limit where the client has one, else to `max_in_flight`."""
+    client = make()
+    assert isinstance(client, BulkQuota) is keeps_one
+    if keeps_one:
+        assert (client.max_bulk_in_flight, client.num_bulk_in_flight) == (8, 0)
     if isinstance(client, DeploymentClient):
         client.shutdown()
 
