@@ -16,9 +16,9 @@ measured over `--window-s` after `--warmup-s` on the same warm engine:
 
 A request counts in a row when it finishes inside the window (one started in the warm-up included), as the CPU
 benchmarks' driver counts; percentiles as numpy's. A row that has not drained `--drain-timeout-s` after its window
-is cut there (its requests are aborted). Goal (issue 39): each kind's p95 within 1.1x of row 2 and the ingest at >= 0.5x row 1. The index add of the
-vectors is left out: it runs on the host beside the engine's steps (a FAISS add under a lock). Prints one JSON line
-per row and writes results.json and table.md under `--out`.
+is cut there (its requests are aborted). Goal (issue 39): each kind's p95 within 1.1x of row 2 and the ingest at >=
+0.5x row 1. The index add of the vectors is left out: it runs on the host beside the engine's steps (a FAISS add
+under a lock). Prints one JSON line per row and writes results.json and table.md under `--out`.
 """
 
 from __future__ import annotations

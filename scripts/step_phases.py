@@ -4,11 +4,12 @@
     python scripts/step_phases.py --threads 1 --batch 8 --prompt-len 256 --tokens 1   # prefill steps
     python scripts/step_phases.py --threads 2 --batch 22 --prompt-len 45 --tokens 40 --embeds 280   # 9:1-like
 
-Wraps the engine's step, the runner's execute / prepare / forward, the attention backend's plan and forward,
-the C++ decode and prefill kernels, the logits and the sampler with timers (the torch profiler does not see the C++
-kernels or Python between ops), runs `--batch` prompts of `--prompt-len` tokens to `--tokens` new tokens (with
-`--embeds` embedding inputs of `--embed-len` tokens in the same steps) and prints ms per step. The layer-level timers (attention, its kernels) fire only on the Python layer loop: with the C++ one
-(`cpu_layer_loop`, on by default) the forward is one call; `--option cpu_layer_loop=false` looks inside it.
+Wraps the engine's step, the runner's execute / prepare / forward, the attention backend's plan and forward, the C++
+decode and prefill kernels, the logits and the sampler with timers (the torch profiler does not see the C++ kernels
+or Python between ops), runs `--batch` prompts of `--prompt-len` tokens to `--tokens` new tokens (with `--embeds`
+embedding inputs of `--embed-len` tokens in the same steps) and prints ms per step. The layer-level timers
+(attention, its kernels) fire only on the Python layer loop: with the C++ one (`cpu_layer_loop`, on by default) the
+forward is one call; `--option cpu_layer_loop=false` looks inside it.
 """
 
 from __future__ import annotations
