@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast adapter bench bench-all clean peers
+.PHONY: install demo test test-fast docs adapter bench bench-all clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,10 @@ test: install
 # the edit-test loop: model-free tests only (under a minute); a test here that loads a model fails, naming `slow`
 test-fast: install
 	ORTHRUS_TEST_FAST=1 $(PY) -m pytest -q -m "not slow and not gpu"
+
+# the documentation site (mkdocs-material) into site/; --strict: a broken link, anchor or page fails the build
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # the shared-backbone embedding adapter shipped as orthrus_rag/adapters/smollm2_embed, by the project's recipe
 # (synthetic text only; fixed seeds; 400 steps, ~50 min and ~8 GB on two idle cores; nice'd)
@@ -71,4 +75,4 @@ $(PEERS)/.installed: pyproject.toml Makefile
 peers: $(PEERS)/.installed
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -18,17 +18,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Where a named dataset lives on the hub (`hub_id` None: generated locally)."""
+    """Where a named dataset lives on the hub (`hub_id` None: generated locally, or read only from a file)."""
 
     hub_id: str | None
     config: str | None = None
     split: str = "validation"
+    file_only: bool = False  # the user's own questions: read from `path`, nothing to fetch or generate
 
 
 DATASETS: dict[str, DatasetSpec] = {
     "2wiki": DatasetSpec("framolfese/2WikiMultihopQA", None, "validation"),
     "hotpotqa": DatasetSpec("hotpotqa/hotpot_qa", "distractor", "validation"),
     "synthetic": DatasetSpec(None),
+    "jsonl": DatasetSpec(None, file_only=True),
 }
 
 
@@ -48,6 +50,9 @@ def load_qa(name: str, path: str | Path | None = None, hub_id: str | None = None
         logger.info("loaded %d %s examples from %s", len(examples), name, path)
         return examples
     spec = DATASETS[name]
+    if spec.file_only:
+        raise ValueError(f"dataset {name!r} reads your own questions: give dataset.path=FILE (JSONL, a "
+                         '{"question": ..., "golden_answers": [...]} object a line)')
     if spec.hub_id is None:
         if hub_id is not None:
             raise ValueError(f"dataset {name!r} is generated locally and has no hub id (got hub_id={hub_id!r})")

@@ -127,7 +127,7 @@ def release_openmp_pool() -> bool:
     Why: GNU OpenMP keeps one pool per thread that ever ran a parallel op, and once the pools' threads outnumber
     the CPUs it switches every pool to a short spin (100 rounds) before sleeping, so each of a step's many small
     parallel ops waits on a futex wake-up. An engine loaded on one thread (its pool stays, idle) and stepped on
-    another (the asyncio engine's) ran 15-20% slower on 2 cores for that alone (BENCHMARKS.md, session 15)."""
+    another (the asyncio engine's) ran 15-20% slower on 2 cores for that alone (docs/design/engine-step.md)."""
     import ctypes
     import glob
 

@@ -1,9 +1,9 @@
 """Give the C heap's free memory back to the operating system between long phases of work.
 
-glibc keeps what a freed tensor's buffer used inside its heaps for reuse; a loop whose step tensors change size
-every step (an index build: each step's token count differs) leaves hundreds of MB of free but resident memory
-behind it, which the next phase then adds to (measured: BENCHMARKS.md, session 17). `malloc_trim(0)` returns the
-free pages at once; elsewhere (musl, macOS, Windows) this is a no-op.
+glibc keeps what a freed tensor's buffer used inside its heaps for reuse; a loop whose step tensors change size every
+step (an index build: each step's token count differs) leaves hundreds of MB of free but resident memory behind it,
+which the next phase then adds to (measured: docs/benchmarks/corpus-embedding.md). `malloc_trim(0)` returns the free
+pages at once; elsewhere (musl, macOS, Windows) this is a no-op.
 
 A second owner of such memory is oneDNN, which PyTorch's CPU matmuls run on: it caches one compiled primitive
 (code and scratchpad) per input shape, in its own primitive cache and in PyTorch's ideep LRU (1,024 entries
@@ -43,7 +43,7 @@ def release_free_memory() -> bool:
 # NOTE: measured with a 1,024-passage-shard probe (scripts/probe_index_memory.py, MiniLM, bf16 and fp32): resident
 # memory after each shard's trim grew ~16 MB a shard with both caches at their defaults, ~8 MB with oneDNN's
 # alone at 0, and not at all with both off, at the same passages/s (a 4,096-token step's GEMMs dwarf building
-# their primitives); BENCHMARKS.md, session 18
+# their primitives); docs/benchmarks/corpus-embedding.md
 SHAPE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "LRU_CACHE_CAPACITY": "1"}
 
 

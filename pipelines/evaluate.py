@@ -134,7 +134,7 @@ class RunScores:
             typed.add(m, getattr(rec, m))
         typed.add("n", 1.0)
         self.means.add("answer_found", float(bool(rec.iterations) and rec.iterations[-1].answer_found))
-        # NOTE: how often a method alternates the two kinds (issue 38): its recorded steps, and those that retrieved
+        # NOTE: how often a method alternates the two kinds: its recorded steps, and those that retrieved
         self.means.add("steps", float(len(rec.iterations)))
         self.means.add("retrievals", float(sum(1 for it in rec.iterations if it.retrieved)))
         self.means.add("generated_tokens", float(rec.generated_tokens))

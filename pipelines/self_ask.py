@@ -10,7 +10,7 @@ goes back into the transcript as "Intermediate answer: ...". The chain ends when
 
 `force_follow_up` (the default) starts the model's turn with "Yes." and "Follow up:", so it asks at least one
 follow-up: every question of a multi-hop set needs one, and a small model answers at once otherwise (SmolLM2-135M
-wrote "The answer is yes." for all 40 2Wiki questions and retrieved for none; BENCHMARKS.md, session 25). Off, the
+wrote "The answer is yes." for all 40 2Wiki questions and retrieved for none; docs/benchmarks/methods.md). Off, the
 model decides after "Are follow up questions needed here:", as in Press et al.
 """
 

@@ -142,7 +142,7 @@ def build_index(vectors: np.ndarray, spec: IndexSpec) -> Any:
 def add_shards(index: Any, shards: Sequence[np.ndarray]) -> None:
     """Add the shards' vectors (in order) to a trained `index`. A graph index (HNSW) gets them in one call: FAISS's
     HNSW built by 50 adds of 4,096 vectors found 0.26 of flat's top-5 at 200k where one add of the same vectors
-    found 0.93 (BENCHMARKS.md, session 17); an index that holds every vector anyway costs the concatenation only."""
+    found 0.93 (docs/benchmarks/search.md); an index that holds every vector anyway costs the concatenation only."""
     if isinstance(import_faiss().downcast_index(index), import_faiss().IndexHNSW):
         index.add(np.ascontiguousarray(np.concatenate([np.asarray(s) for s in shards]), dtype=np.float32))
         return

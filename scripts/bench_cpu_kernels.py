@@ -14,7 +14,7 @@ LoRA: one rank-8 adapter on all seven projections of one SmolLM2 layer (Q/K/V an
 1, 32 and 256 rows: torch's per-slot ops (what `lora_kernel=per_slot` keeps) against the C++ kernel
 (layers/lora_fused.py), each as the extra time over the same projections without adapter rows.
 Sampler: a step's draw at temperature 0.7 over SmolLM2's 49,152 logits, every row seeded (as the benchmarks'
-requests are), at 1, 32 and 64 rows: `torch.multinomial` per row (what the sampler did before session 11), the
+requests are), at 1, 32 and 64 rows: `torch.multinomial` per row (the draw the sampler's kernel replaces), the
 Sampler on torch's ops (fp64 cumsum), and on the C++ kernel (layers/csrc/sampling.h). Prints one JSON line per row.
 """
 
@@ -159,7 +159,7 @@ def elementwise(dtype: torch.dtype) -> None:
         q, k = qkv[:, :H * D].view(rows, H, D), qkv[:, H * D:(H + KVH) * D].view(rows, KVH, D)
         # NOTE: the model's own cos / signed sin (positions 0..rows-1, SmolLM2's theta): a rotation keeps the
         # rows' norms through the repeated in-place calls; random ones grew them to inf and NaN within ~100 calls,
-        # and NaN arithmetic timed the fused kernel at ~3.6x its real cost (session 26's 252 us at 256 rows)
+        # and NaN arithmetic timed the fused kernel at ~3.6x its real cost (252 us at 256 rows on an AMX Xeon core)
         cos, sin = _rotation(rows, dtype)
         gate, up = torch.randn(rows, 2 * INTER).to(dtype).split(INTER, dim=-1)
         pairs = {

@@ -186,6 +186,69 @@ def peer_workload(tokenizer, args: argparse.Namespace, model_path: str) -> dict:
             "embed": _prompt_ids(tokenizer, args.embed_len, args.embed_count)}
 
 
+METRICS = {"prefill_tok_s": ("prefill", "tokens/s"), "decode_tok_s_b1": ("decode, batch 1", "tokens/s"),
+           "decode_tok_s_b8": ("decode, batch 8", "tokens/s"), "decode_tok_s_b32": ("decode, batch 32", "tokens/s"),
+           "embed_per_s": ("embeddings", "embeddings/s")}
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Per-core bars: one panel per measurement (prefill, decode at each batch, embeddings), a bar for the engine
+    and for each vLLM column (and transformers where measured); a bar is the mean of the runs in the file (the
+    engine's A-B-A runs included), its whisker their range. `results`: a committed results file
+    (docs/benchmarks/results/per-core-*.json: {"results": {"runs": [...]}} or one run) or this script's own
+    results.json. Redraw: `python scripts/bench/report.py docs/benchmarks/results/per-core-<cpu>.json`."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench.report import _plt, _save, caption, result_rows
+
+    res = result_rows(results)
+    runs = res.get("runs") or [res]
+    bars: dict[str, dict[str, list[float]]] = {}
+
+    def add(name: str, values: dict | None) -> None:
+        for k, v in (values or {}).items():
+            if k in METRICS and v is not None:
+                bars.setdefault(name, {}).setdefault(k, []).append(float(v))
+
+    for run in runs:
+        add("orthrus_rag", run.get("orthrus_rag"))
+        add("orthrus_rag", run.get("orthrus_rag_again"))
+        add("transformers", run.get("transformers"))
+        for variant, peer in (run.get("vllm") or {}).items():
+            add(f"vLLM {variant}", peer.get("results"))
+    metrics = [k for k in METRICS if any(k in b for b in bars.values())]
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(8, 4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = list(bars)
+    for ax, k in zip(axes[0], metrics):
+        for i, name in enumerate(names):
+            vals = bars[name].get(k)
+            if not vals:
+                continue
+            mean = sum(vals) / len(vals)
+            err = [[mean - min(vals)], [max(vals) - mean]] if len(vals) > 1 else None
+            ax.bar(i, mean, color=colors[i % len(colors)], yerr=err, capsize=3, label=name)
+            ax.text(i, max(vals), f"{mean:,.0f}" if mean >= 100 else f"{mean:.3g}", ha="center", va="bottom",
+                    fontsize=6.5)
+        title, unit = METRICS[k]
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel(unit, fontsize=8)
+        ax.set_xticks([])
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3, axis="y")
+        ax.margins(y=0.12)
+    handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=len(handles), fontsize=7.5,
+               bbox_to_anchor=(0.5, 0.95))
+    fig.suptitle("Per-core speed, one core each (higher is better)", fontsize=10)
+    caption(fig, results.get("machine", ""), results.get("measured"))
+    lines = getattr(fig, "_bench_caption", 0)
+    fig.tight_layout(rect=(0, 0.01 + lines * 0.1 / fig.get_figheight(), 1, 0.9))
+    fig._bench_laid_out = True  # _save keeps this layout
+    names_out = results.get("plots") or ["per-core.png"]
+    return [_save(fig, Path(out_dir) / names_out[0])]
+
+
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()

@@ -12,9 +12,9 @@ Rows:
 - `chain without <op>`: the same with that kernel left out (its input stands in for its output);
 - `elementwise alone`: the kernels on fixed inputs, nothing between them (what bench_cpu_kernels.py times).
 
-Session 27 (the AMX Xeon): at two threads the chain costs ~12 ms more per 256-row step than its parts alone (the
-products ~4 ms slower, the kernels ~6 ms), at one thread ~5 ms. The likely cause, not proven: oneDNN and the
-kernels split each output between the cores differently (oneDNN by its blocks, the kernels by rows), so in a chain
+On an Intel Xeon with AMX (two cores): at two threads the chain costs ~12 ms more per 256-row step than its parts
+alone (the products ~4 ms slower, the kernels ~6 ms), at one thread ~5 ms. The likely cause, not proven: oneDNN and
+the kernels split each output between the cores differently (oneDNN by its blocks, the kernels by rows), so in a chain
 half of what each core reads was just written on the other.
 """
 

@@ -7,7 +7,8 @@ generation requests spread evenly over 0, 1, 4 and 16 adapters, for each way of 
 
 The adapters are random (scripts/make_lora_adapter.py's `make_adapter`), written to a temporary folder. Runs
 alternate kernels and counts (A B ... B A) so drift hits every column alike. One JSON line per run, then a summary
-per (count, kernel): generated tokens per second and its ratio to the base alone.
+per (count, kernel): generated tokens per second and its ratio to the base alone. `plot_results` redraws the
+committed figure (docs/benchmarks/results/features-lora-*.json; the page is docs/benchmarks/features.md).
 """
 
 from __future__ import annotations
@@ -23,6 +24,36 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Draw the PNG a committed results file names (docs/benchmarks/results/features-lora-*.json, redrawn by
+    scripts/bench/report.py): generated tokens/s against the number of adapters, one line per kernel, from the
+    summary lines (`results["results"]["rows"]`; the base row, 0 adapters, starts every line)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench.report import _plt, _save, caption
+
+    rows = results["results"]["rows"]
+    base = next(r for r in rows if r["adapters"] == 0)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = {"auto": "auto (the fused C++ kernel, default)", "per_slot": "per_slot (torch ops)",
+              "stacked": "stacked (torch ops)"}
+    for kernel in dict.fromkeys(r["kernel"] for r in rows if r["adapters"]):
+        mine = [base] + sorted((r for r in rows if r["kernel"] == kernel and r["adapters"]),
+                               key=lambda r: r["adapters"])
+        ax.plot([r["adapters"] for r in mine], [r["gen_tok_s"] for r in mine], marker="o",
+                label=labels.get(kernel, kernel))
+    ax.set_xscale("symlog", linthresh=1)
+    ticks = sorted({r["adapters"] for r in rows})
+    ax.set_xticks(ticks, [str(v) for v in ticks])
+    ax.set(title="Many LoRA adapters in one mixed load (rank 8, all seven projections)",
+           xlabel="distinct adapters among the generations", ylabel="generated tokens/s", ylim=(0, None))
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    caption(fig, results["machine"], results.get("measured"))
+    return [_save(fig, Path(out_dir) / results["plots"][0])]
 
 
 def main() -> None:

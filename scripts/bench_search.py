@@ -1,15 +1,18 @@
-"""Search latency and recall of FAISS indexes over one built corpus (issue 36's must-show): flat, IVF-PQ and HNSW
-(any specs), each built from the vectors an `orthrus-rag index` folder keeps (`vectors/`: nothing is embedded
-again), searched with real questions embedded as a run embeds them.
+"""Search latency and recall of FAISS indexes over one built corpus: flat, IVF, IVF-PQ and HNSW (any specs), each
+built from the vectors an `orthrus-rag index` folder keeps (`vectors/`: nothing is embedded again), searched with
+real questions embedded as a run embeds them.
 
-    .venv/bin/python scripts/bench_search.py --index runs/resume200k/whole/index \\
-        --queries ../shared/data/2wikimultihopqa_dev_first200.jsonl --threads 2
+    .venv/bin/python scripts/bench_search.py --index runs/index200k/index --queries dev.jsonl --threads 2
+
+(`dev.jsonl`: the 2WikiMultihopQA dev file whose questions to search.)
 
 Each spec is built the way `IndexBuilder` builds it (`empty_index`, `train` on a seeded `train_size` sample,
 `add_shards`, `configure`); then every query is searched on its own, as a run's question does, and
 its passages read from the memory-mapped store: p50 / p95 of that, queries/s of one batched call, recall@k
 against the flat index (the share of flat's top-k each index returns), and recall@k of the questions' supporting
-paragraphs (by title, as runs score it). Prints one JSON line per spec and a table.
+paragraphs (by title, as runs score it). Prints one JSON line per spec and a table. `plot_results` redraws the
+committed figure (docs/benchmarks/results/search-*.json, through scripts/bench/report.py; the page is
+docs/benchmarks/search.md).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from orthrus_rag.retrievers.passage_store import PassageStore
 
 logger = logging.getLogger("bench_search")
 
-# name -> spec: the three kinds the issue names, at FAISS's usual settings for ~10^5 vectors (nlist ~ 4 sqrt(n))
+# name -> spec: flat, IVF, IVF-PQ and HNSW, at FAISS's usual settings for ~10^5 vectors (nlist ~ 4 sqrt(n))
 DEFAULT_SPECS = {
     "flat": IndexSpec("flat"),
     "ivf1024_flat_np16": IndexSpec("ivf", nlist=1024, nprobe=16),  # the inverted file alone, no compression
@@ -106,8 +109,38 @@ def measure(index: object, queries: np.ndarray, k: int, passages: PassageStore,
     ms = np.asarray(one) * 1e3
     gold = [recall_at_k(t, s, k) for t, s in zip(found_titles, supporting)]
     gold = [g for g in gold if g is not None]
-    return {f"supporting_recall@{k}": round(float(np.mean(gold)), 3) if gold else None,"p50_ms": round(float(np.percentile(ms, 50)), 3), "p95_ms": round(float(np.percentile(ms, 95)), 3),
+    return {f"supporting_recall@{k}": round(float(np.mean(gold)), 3) if gold else None,
+            "p50_ms": round(float(np.percentile(ms, 50)), 3), "p95_ms": round(float(np.percentile(ms, 95)), 3),
             "batch_qps": round(len(queries) / batched, 1), "ids": ids}
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Draw the PNG a committed results file names: recall@k against flat over per-query search latency, one point
+    per index (p50, with a bar out to p95), from the JSON lines' fields (`results["results"]["rows"]`)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench.report import _plt, _save, caption
+
+    rows = results["results"]["rows"]
+    k = rows[0]["k"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        p50, p95, recall = r["p50_ms"], r["p95_ms"], r[f"recall@{k}_vs_flat"]
+        ax.plot([p50, p95], [recall, recall], color="0.6", lw=1)
+        ax.plot(p50, recall, "o", ms=7, label=f"{r['index']} ({r['bytes'] / 2**20:.0f} MiB)")
+        ax.plot(p95, recall, "|", color="0.4", ms=8)
+    ax.set_xscale("log")
+    ax.set(title=f"Search over {rows[0]['passages']:,} passages: top-{k} agreement with flat against latency",
+           xlabel="search latency per query, ms (dot: p50, bar end: p95; log scale)",
+           ylabel=f"recall@{k} against flat")
+    ax.title.set_fontsize(9)
+    ax.set_ylim(0.5, 1.05)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    caption(fig, results["machine"].split(";")[0] + f"; {rows[0]['threads']} FAISS threads", results.get("measured"))
+    return [_save(fig, Path(out_dir) / results["plots"][0])]
 
 
 def main() -> int:

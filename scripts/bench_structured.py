@@ -9,7 +9,8 @@ in every run, so the unconstrained rows write similar text; only the constraint 
     python scripts/bench_structured.py                       # dtype auto (bf16 where the CPU has it), 1 thread
     python scripts/bench_structured.py --dtype float32 --threads 2
 
-One JSON line per run, then a summary line per fraction (median over the repeats).
+One JSON line per run, then a summary line per fraction (median over the repeats). `plot_results` redraws the
+committed figure (docs/benchmarks/results/features-structured-*.json; the page is docs/benchmarks/features.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,34 @@ import statistics
 import time
 
 import torch
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Draw the PNG a committed results file names (docs/benchmarks/results/features-structured-*.json, redrawn by
+    scripts/bench/report.py): generated tokens/s and the median decode step per constrained fraction, from the
+    summary lines (`results["results"]["rows"]`)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench.report import _plt, _save, caption
+
+    rows = sorted(results["results"]["rows"], key=lambda r: r["constrained_fraction"])
+    labels = [f"{r['constrained_fraction']:.0%}" for r in rows]
+    plt = _plt()
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(7, 4))
+    bars = ax_t.bar(labels, [r["gen_tok_s"] for r in rows], color="tab:blue")
+    ax_t.bar_label(bars, [f"{r['gen_tok_s']:g}" for r in rows], fontsize=7)
+    ax_t.set(title="generated tokens/s", xlabel="generations under a JSON schema", ylabel="tokens/s")
+    bars = ax_s.bar(labels, [r["decode_step_ms_median"] for r in rows], color="tab:orange")
+    ax_s.bar_label(bars, [f"{r['decode_step_ms_median']:g}" for r in rows], fontsize=7)
+    ax_s.set(title="median decode step", xlabel="generations under a JSON schema", ylabel="ms")
+    for ax in (ax_t, ax_s):
+        ax.title.set_fontsize(9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Structured outputs in a mixed load (40 generations, 80 embeddings)", fontsize=10)
+    caption(fig, results["machine"], results.get("measured"))
+    return [_save(fig, Path(out_dir) / results["plots"][0])]
 
 
 def main() -> None:

@@ -1,15 +1,18 @@
-"""One command per benchmark experiment (issue 5), Hydra-configured (scripts/bench/conf/):
+"""One command per benchmark experiment of the paper, Hydra-configured (scripts/bench/conf/):
 
     python scripts/benchmark.py experiment=ratio_sweep        # -> runs/bench/ratio_sweep/{results.json,table.md,*.png}
     python scripts/benchmark.py experiment=three_phase
     python scripts/benchmark.py experiment=fcfs_blocking
     python scripts/benchmark.py experiment=poisson
-    python scripts/benchmark.py experiment=iter_retgen         # 2Wiki questions from ../shared/data
+    python scripts/benchmark.py experiment=iter_retgen experiment.dataset_path=dev.jsonl  # 2WikiMultihopQA dev
     python scripts/benchmark.py experiment=chunk_equivalence
 
 Override anything on the command line, e.g. `systems=[orthrus,dedicated] peers=[] experiment.duration_s=10`;
 `report_only=true` redraws table.md and the plots from the run's results.json (experiments that store `runs`).
 Systems run one after another on the same machine; nothing else should run meanwhile (the figures are times).
+Workloads, peers and the figures measured so far: docs/benchmarks/ (methodology.md, ratio-sweep.md,
+paper-experiments.md); `python scripts/bench/report.py docs/benchmarks/results/<name>.json` redraws a committed
+result's plots.
 """
 
 from __future__ import annotations

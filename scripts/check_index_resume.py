@@ -1,8 +1,8 @@
 """A corpus build, uninterrupted and SIGKILLed part-way then resumed, compared: wall time, peak RSS, and whether
-the resumed build holds the same vectors and gives the same top-k for real queries (issue 36's must-show).
+the resumed build holds the same vectors and gives the same top-k for real queries.
 
     .venv/bin/python scripts/check_index_resume.py --corpus runs/corpus_200k.jsonl.gz --out runs/resume_check \\
-        --queries ../shared/data/2wikimultihopqa_dev_first200.jsonl --kill-at 0.5 -- retriever.shard_size=4096
+        --queries dev.jsonl --kill-at 0.5 -- retriever.shard_size=4096
 
 Both builds run `orthrus-rag index corpus=jsonl corpus.path=<corpus>` plus the overrides after `--`, each in its
 own process; peak RSS is the largest resident set of that process tree, sampled every 0.2 s. The kill lands once

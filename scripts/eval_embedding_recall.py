@@ -1,6 +1,6 @@
 """Retrieval quality of embedding configurations on a QA file: recall@k of the supporting paragraphs.
 
-    python scripts/eval_embedding_recall.py --data ../shared/data/2wikimultihopqa_dev_first200.jsonl \
+    python scripts/eval_embedding_recall.py --data dev.jsonl \
         --configs minilm bare-mean prompteol adapter --adapter runs/adapters/smollm2-embed --out recall.json
     python scripts/eval_embedding_recall.py --data ... --configs adapter --adapter runs/extracted/r8 ... \
         --reference runs/full-ft     # extracted adapters against the fully fine-tuned model they came from

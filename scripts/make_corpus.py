@@ -2,9 +2,10 @@
 context paragraphs of QA dataset files, de-duplicated by title across them, plus seeded generated passages
 (data/generated_corpus.py) for scale tests.
 
-    # 2Wiki-200's paragraphs plus 200k generated passages, for `orthrus-rag index corpus=jsonl corpus.path=...`
+    # a 2WikiMultihopQA dev file's paragraphs plus 200k generated passages, for
+    # `orthrus-rag index corpus=jsonl corpus.path=...`
     .venv/bin/python scripts/make_corpus.py --out runs/corpus/2wiki_200k.jsonl.gz \\
-        --dataset 2wiki=../shared/data/2wikimultihopqa_dev_first200.jsonl --generate 200000
+        --dataset 2wiki=dev.jsonl --generate 200000
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 engine, `_index_engine` settings) over generated passages; after each shard the RSS, the RSS once glibc's free
 pages are handed back (`release_free_memory`), Python's allocated blocks and the object types that grew. Flat
 blocks and a falling RSS after the trim say the growth is the C heap's free memory; an RSS that still grows after
-it is native memory something keeps (BENCHMARKS.md, session 17).
+it is native memory something keeps (docs/benchmarks/corpus-embedding.md).
 
     .venv/bin/python scripts/probe_index_memory.py --shard-size 2048 --shards 6 -- model.dtype=auto
 """

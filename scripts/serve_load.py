@@ -9,6 +9,9 @@ for a fixed time against a server started here (a subprocess on 127.0.0.1), then
 Throughput and latency are printed too, as indicative figures (they depend on what else the machine runs).
 
     python scripts/serve_load.py --clients 64 --duration 120 --out results/serve_load.json
+
+`plot_results` redraws the committed figures (docs/benchmarks/results/features-serv*.json; the page is
+docs/benchmarks/features.md).
 """
 
 from __future__ import annotations
@@ -163,6 +166,46 @@ async def _run(args: argparse.Namespace, base: str) -> dict:
         "latency_s": {k: {"p50": _pct(v, 50), "p95": _pct(v, 95)} for k, v in tally.latency.items()},
         "ttft_s": {"p50": _pct(tally.ttft, 50), "p95": _pct(tally.ttft, 95)},
     }
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Draw the PNG a committed results file names (docs/benchmarks/results/features-serv*.json, redrawn by
+    scripts/bench/report.py): per run (`results["results"]["runs"]`, each a result of this script with a `label`),
+    embedding inputs/s and chats/s, and the latency percentiles it recorded."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench.report import _plt, _save, caption
+
+    runs = results["results"]["runs"]
+    labels = [r.get("label", str(i)).replace(", ", ",\n") for i, r in enumerate(runs)]
+    plt = _plt()
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(8, 4))
+    x = np.arange(len(runs))
+    for i, (key, name) in enumerate((("embed_inputs_per_s", "embedding inputs/s"), ("chat_requests_per_s", "chats/s"))):
+        bars = ax_t.bar(x + (i - 0.5) * 0.4, [r[key] for r in runs], 0.4, label=name)
+        ax_t.bar_label(bars, [f"{r[key]:g}" for r in runs], fontsize=7)
+    ax_t.set_xticks(x, labels, fontsize=7)
+    ax_t.set(title="throughput", ylabel="per second")
+    series = [(f"{kind} p{q}", [((r.get("latency_s", {}).get(kind) or {}).get(f"p{q}")) for r in runs])
+              for kind in ("embed", "chat") for q in (50, 95)]
+    series += [(f"TTFT p{q}", [(r.get("ttft_s") or {}).get(f"p{q}") for r in runs]) for q in (50, 95)]
+    series = [(name, vals) for name, vals in series if any(v is not None for v in vals)]
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series):
+        ax_l.bar(x + (i - (len(series) - 1) / 2) * width, [np.nan if v is None else v for v in vals], width,
+                 label=name)
+    ax_l.set_xticks(x, labels, fontsize=7)
+    ax_l.set(title="latency", ylabel="seconds")
+    for ax in (ax_t, ax_l):
+        ax.title.set_fontsize(9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    clients = {r.get("clients") for r in runs}
+    fig.suptitle(f"The OpenAI-compatible server under load ({'/'.join(map(str, sorted(clients)))} closed-loop "
+                 "clients, half embeddings, half streamed chats)", fontsize=9)
+    caption(fig, results["machine"], results.get("measured"))
+    return [_save(fig, Path(out_dir) / results["plots"][0])]
 
 
 def main() -> int:

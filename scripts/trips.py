@@ -1,4 +1,4 @@
-"""Trips (issue 35): which project source files run code for ONE request, and how often a call climbs back up.
+"""Trips: which project source files run code for ONE request, and how often a call climbs back up.
 
     .venv/bin/python scripts/trips.py --trip all        # chat, embedding, embedding-adapter, iter-retgen
     .venv/bin/python scripts/trips.py --trip chat
@@ -77,7 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 # package name -> folder, relative to the tree (pyproject's package-dir)
 PROJECT_ROOTS = {"orthrus_rag": "orthrus_rag", "orthrus_rag.retrievers": "retrievers",
                  "orthrus_rag.pipelines": "pipelines", "orthrus_rag.data": "data"}
-TARGETS = {"chat": 22, "embedding": 16, "embedding-adapter": 16, "iter-retgen": 30}  # issue 35
+TARGETS = {"chat": 22, "embedding": 16, "embedding-adapter": 16, "iter-retgen": 30}  # most project files a trip enters
 MAX_CLIMBS = 2
 TRIPS = ("chat", "embedding", "embedding-adapter", "iter-retgen")
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "2wikimultihopqa_dev_first200.jsonl"
@@ -419,8 +419,8 @@ def describe_tree(base: Path) -> str:
 
 
 # ---- the trips -------------------------------------------------------------------------------------------------
-# Where each builder the CLI calls lives: today's module first, then where it lived before issue 35's moves, so the
-# script measures a checkout from either side of them (`--tree`).
+# Where each builder the CLI calls lives: today's module first, then where it lived in older releases, so the
+# script measures a checkout of either layout (`--tree`).
 BUILDERS = {
     "register_configs": ("orthrus_rag.config.app", "orthrus_rag.app_config"),
     "validate": ("orthrus_rag.entrypoints.checks", "orthrus_rag.app_config"),

@@ -184,7 +184,7 @@ def test_iter_retgen_commands_compose_as_app_configs(bench_script, tmp_path):
 
 
 def test_iter_retgen_compares_methods_in_one_table(bench_script, tmp_path):
-    """experiment.methods (issue 38): each method runs as `pipeline=<method>` into out/<method>/<system>/, and one
+    """experiment.methods: each method runs as `pipeline=<method>` into out/<method>/<system>/, and one
     table holds them all with what each retrieves and generates per question."""
     cfg = compose_bench("iter_retgen", tmp_path, "experiment.dataset_path=null", "experiment.app_experiment=smoke",
                         "experiment.limit=1", "experiment.methods=[standard_rag,ircot]",

@@ -179,7 +179,7 @@ def test_peer_requests_carry_instruction_truncation_and_vectors_back():
     client.submit("generate", "g0", "Q:", SamplingParams(max_tokens=4, temperature=0.0))
     assert peer.sent[0] == ("embed", "e0", "query: capital of France", {"truncate": True, "return_embedding": True})
     assert peer.sent[1][3] == {"max_tokens": 4, "temperature": 0.0, "ignore_eos": False}
-    # what the iterative methods ask (issue 38): a sentence's stop string, and (FLARE) each token's logprob
+    # what the iterative methods ask: a sentence's stop string, and (FLARE) each token's logprob
     client.submit("generate", "g2", "Q:", SamplingParams(max_tokens=8, stop=["\n"], logprobs=0))
     assert peer.sent[2][3] == {"max_tokens": 8, "temperature": 1.0, "ignore_eos": False, "stop": ["\n"],
                                "logprobs": 0}

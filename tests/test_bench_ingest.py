@@ -1,4 +1,4 @@
-"""scripts/bench_ingest.py (issue 39's serving-with-ingest benchmark): its window-rate arithmetic and ratios without
+"""scripts/bench_ingest.py (the ingest-while-serving benchmark): its window-rate arithmetic and ratios without
 a model, and the whole script at a tiny scale (a dozen passages, a 2-second window) on the real models, asserting
 that its JSON holds every row and every figure. Figures are timings and are not asserted."""
 

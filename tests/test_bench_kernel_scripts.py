@@ -48,7 +48,7 @@ def test_the_layer_chain_reports_each_row_with_its_ops_inside_the_total():
 
 
 def test_the_elementwise_benchmarks_rotary_keeps_its_inputs_finite():
-    # session 26's inputs (random cos / sin) grew q to inf and NaN within ~100 in-place calls, and timed NaNs
+    # random cos / sin inputs grew q to inf and NaN within ~100 in-place calls, and timed NaNs
     bench = _script("bench_cpu_kernels")
     cos, sin = bench._rotation(64, torch.bfloat16)
     q = torch.randn(64, 9, 64).to(torch.bfloat16)

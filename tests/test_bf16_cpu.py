@@ -1,4 +1,4 @@
-"""bf16 on the CPU (issue 19): "auto" picks it where the CPU has bf16 dot products; the decode kernel and the
+"""bf16 on the CPU: "auto" picks it where the CPU has bf16 dot products; the decode kernel and the
 packed linears take it; generations equal transformers' in bf16 under the near-tie rule and embeddings stay
 within cosine 0.999 of fp32."""
 

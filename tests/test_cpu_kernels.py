@@ -1,7 +1,7 @@
-"""The CPU extension's chunked-prefill attention and fused elementwise kernels (issue 19) against the torch ops they
+"""The CPU extension's chunked-prefill attention and fused elementwise kernels against the torch ops they
 replace: attention within the error SDPA itself makes in bf16 (every step shape of the backend tests, sliding
 windows, GQA, head sizes 32 to 128) and within fp32 rounding of the exact attention in fp32 (its fp32 body, every
-x86-64 CPU: issue 34), the elementwise kernels rounding as the eager bf16 ops do, and the model with them on within
+x86-64 CPU), the elementwise kernels rounding as the eager bf16 ops do, and the model with them on within
 cosine 0.999 of the model with them off."""
 
 from __future__ import annotations

@@ -134,7 +134,16 @@ def test_synthetic_is_deterministic_per_seed() -> None:
     assert make_synthetic(40, seed=3) == make_synthetic(40, seed=3)
     assert make_synthetic(40, seed=3) != make_synthetic(40, seed=4)
     assert [e.id for e in load_qa("synthetic", limit=12)] == [e.id for e in make_synthetic(12)]
-    assert set(DATASETS) == {"2wiki", "hotpotqa", "synthetic"}
+    assert set(DATASETS) == {"2wiki", "hotpotqa", "synthetic", "jsonl"}
+
+
+def test_the_jsonl_dataset_reads_only_the_users_file(tmp_path) -> None:
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"id": "a", "question": "Who wrote Emma?", "golden_answers": ["Jane Austen"]}\n')
+    [example] = load_qa("jsonl", path=path)
+    assert (example.id, example.golden_answers) == ("a", ["Jane Austen"])
+    with pytest.raises(ValueError, match="give dataset.path=FILE"):
+        load_qa("jsonl")
 
 
 def test_synthetic_answers_follow_from_the_gold_paragraphs() -> None:

@@ -96,8 +96,8 @@ def test_a_divergence_passes_only_at_a_near_tie(bench):
 
 
 def test_gpu_ingest_dry_run_on_cpu(tmp_path, smol_path):
-    """scripts/gpu_ingest.py (issue 39's table on a GPU) at a tiny shape: each row carries only its own traffic, the
-    bulk ingest runs beside serving, and the ratios and files are written."""
+    """scripts/gpu_ingest.py (the ingest-while-serving table on a GPU) at a tiny shape: each row carries only its own
+    traffic, the bulk ingest runs beside serving, and the ratios and files are written."""
     ingest = _load("gpu_ingest")
     result = ingest.main(["--device", "cpu", "--shape", "tiny", "--kv-cache-gib", "0.02", "--budget", "256",
                           "--clients", "4", "--ingest-window", "4", "--query-len", "16", "--prompt-len", "16",

@@ -196,7 +196,7 @@ def test_the_passage_store_reads_by_position(tmp_path: Path) -> None:
 
 
 def test_a_graph_index_gets_every_shard_in_one_add_and_others_shard_by_shard() -> None:
-    """FAISS's HNSW built from many adds found a quarter of flat's top-5 at 200k (BENCHMARKS.md, session 17)."""
+    """FAISS's HNSW built from many adds found a quarter of flat's top-5 at 200k (docs/benchmarks/search.md)."""
     import faiss
 
     from orthrus_rag.retrievers.faiss_index import add_shards

@@ -1,4 +1,4 @@
-"""Every iterative method resumes (issue 38): a run cut after some of its records, resumed, ends with the records
+"""Every iterative method resumes: a run cut after some of its records, resumed, ends with the records
 and summary of an uninterrupted run (timings aside), on the real small models. test_resume.py kills a run with
 SIGKILL; the record store a resume reads is the same whatever the method, so here the cut is the records file
 truncated to what a kill leaves (whole lines, no summary)."""

@@ -161,7 +161,7 @@ def _decodes_and_queries(slo: SloConfig) -> FakeEngine:
 
 
 def test_decodes_yield_a_step_so_an_embedding_at_risk_fits_its_bound():
-    """Issue 37 at 1:9: the decodes in flight alone nearly fill the bound (half of `embed_p95_s`), so without
+    """At 1:9 embed:generate the decodes in flight alone nearly fill the bound (half of `embed_p95_s`), so without
     yielding an embedding runs `min_step_tokens` (32) a step over two steps and misses its target; with it, some
     decodes sit out one step and it finishes in one."""
     target = 0.16  # a bound of 80 ms: 40 decodes (60 ms) leave 20 ms, the 32-token floor makes a step 92 ms

@@ -1,4 +1,4 @@
-"""scripts/trips.py's counting machinery (issue 35's trips) on a tiny package, not on a model: the files a call
+"""scripts/trips.py's counting machinery on a tiny package, not on a model: the files a call
 enters on every thread, the floors of the import graph (cycles, re-exports, function-level imports) and the
 climbs back up (a callback that a low file calls into a high one)."""
 

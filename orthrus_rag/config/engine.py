@@ -174,7 +174,7 @@ class SchedulerConfig:
     # at most `step_time_target` seconds, or (None) the decodes' own time x (1 + step_time_margin); a step
     # always has room for `min_step_tokens` and never more than max_num_batched_tokens.
     # None (auto): on CUDA, where a decode step's weights reads leave slack for other rows; off on CPU, where a
-    # step's time grows with every token (no slack: measured, the cap only cost throughput; BENCHMARKS.md)
+    # step's time grows with every token (no slack: measured, the cap only cost throughput; docs/design/cost-model.md)
     cost_budget: bool | None = None
     step_time_target: float | None = None
     step_time_margin: float = 1.0
@@ -185,7 +185,7 @@ class SchedulerConfig:
     bulk_step_tokens: int | None = None
     # the floor beside the cap: each step with bulk work pending reserves up to this many budget tokens for it before
     # the serving lanes fill theirs (decodes still first). 0: bulk takes only what serving leaves, which a saturating
-    # serving load leaves next to nothing of (BENCHMARKS.md, session 23); >0: an ingest progresses at a known rate
+    # serving load leaves next to nothing of (docs/benchmarks/ingest.md); >0: an ingest progresses at a known rate
     # while serving pays for it in step time and budget
     bulk_min_tokens: int = 0
     slo: SloConfig = field(default_factory=SloConfig)  # per-kind latency targets (orthrus policy)

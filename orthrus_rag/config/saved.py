@@ -23,7 +23,7 @@ def _plain(cfg: Any) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
 
 
-# a run folder's config.yaml from before the engine's dataclasses became the config nodes (issue #17) names its
+# a run folder's config.yaml from before the engine's dataclasses became the config nodes names its
 # settings by these keys; the old names are frozen, so the table is written out rather than derived
 OLD_KEYS = {
     "engine.serving": "deploy.mode", "engine.threads": "deploy.threads",

@@ -26,6 +26,8 @@ def validate(cfg: Any) -> None:
     from orthrus_rag.retrievers.faiss_index import IndexSpec
 
     _choice(cfg.dataset.name, tuple(DATASETS), "dataset")
+    if DATASETS[cfg.dataset.name].file_only and cfg.dataset.path is None:
+        raise ValueError(f"dataset={cfg.dataset.name} reads your own questions: give dataset.path=FILE")
     if cfg.dataset.path is not None and not Path(cfg.dataset.path).is_file():
         raise ValueError(f"dataset.path: no such file: {cfg.dataset.path}")
     if cfg.dataset.limit is not None and cfg.dataset.limit < 1:

@@ -65,6 +65,16 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# third-party loggers whose INFO lines say nothing a user acts on: FAISS's loader (which SIMD build it tried, one
+# line per miss) and the HTTP clients' per-request lines; their warnings still show
+QUIET_LOGGERS = ("faiss.loader", "httpx", "httpcore")
+
+
+def _quiet_third_party() -> None:
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _hydra(command: str, argv: list[str]) -> int:
     """Compose the config with Hydra (overrides, --help, --cfg job, multirun) and call the plain function;
     returns the worst exit code of its jobs."""
@@ -139,6 +149,7 @@ def _job(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
     """One Hydra job: errors a user can act on become one line and an exit code (a sweep's other jobs go on)."""
     from orthrus_rag.entrypoints.cli_errors import describe_error
 
+    _quiet_third_party()  # NOTE: again here: Hydra has just configured this job's logging
     try:
         cfg = _job_config(command, cfg)
         return _task(command, cfg)
@@ -282,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("run", "index", "serve"):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        _quiet_third_party()
         return _hydra(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="orthrus-rag", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -113,8 +113,8 @@ def _builder(cfg: Any, embedder: Any, folder: Path):  # -> IndexBuilder
 # step is not (the scheduler's defaults, 256 tokens and 64 sequences, are for mixed serving)
 INDEX_STEP_TOKENS, INDEX_STEP_SEQS = 4096, 256
 # ... and it decodes nothing, so its KV cache holds only the backbone embeddings in flight: two full steps' tokens
-# keep the steps full (the serving default, 1 GiB, was over a third of a build's resident memory: BENCHMARKS.md,
-# session 17).
+# keep the steps full (the serving default, 1 GiB, was over a third of a build's resident memory:
+# docs/benchmarks/corpus-embedding.md).
 # Embeddings on a separate encoder hold no KV at all (it attends within a step): one block.
 INDEX_KV_TOKENS = 2 * INDEX_STEP_TOKENS
 
@@ -290,6 +290,8 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     if not remaining:
         logger.info("every question of %s is recorded already", session.folder)
         return
+    logger.info("answering %d questions with %s; records.jsonl and summary.json go to %s", len(remaining),
+                cfg.pipeline.name, session.folder)
     if closing.client is None:
         closing.client = build_client(cfg)
     client = closing.client

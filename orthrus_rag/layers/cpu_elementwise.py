@@ -4,7 +4,8 @@ In eager torch a layer's elementwise work is ~25 small ops (the bf16 RMSNorm alo
 back and the weight; rotary is a roll, four multiplies and adds per tensor). At decode sizes each costs its
 dispatch, not its arithmetic: ~5 us on an EPYC core, ~4 ms of a 16 ms batch-1 step over SmolLM2's 30 layers.
 These kernels do each group in one pass and one call. torch.compile'd versions of the same (dynamic token
-counts) made a bf16 decode step slower on this CPU (BENCHMARKS.md, session 7), so the CPU has these instead.
+counts) made a bf16 decode step slower on an AMD EPYC core (docs/design/cpu-kernels.md), so the CPU has these
+instead.
 
 Each keeps the rounding of the eager ops it replaces: in bf16 the residual sum is rounded before it is normed,
 the normalised value before the weight multiplies it, and each product of rotary and of SiLU-and-mul before the

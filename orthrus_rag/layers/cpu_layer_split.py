@@ -1,13 +1,13 @@
 """The C++ layer loop's column-split form: each of a step's threads on its own output columns of every product.
 
-Why (issue 37, BENCHMARKS.md sessions 27-28): at two threads SmolLM2's 30-layer chain of products and fused kernels
-cost ~12 ms more per 256-row step than its ops timed alone. oneDNN splits each product between the threads its own
-way and the fused kernels split by rows, so every op reads what the other core wrote. Here each thread owns fixed
-output columns of every product: a packed part of each weight (Q/K/V at head boundaries, O and down by columns,
-gate/up as the thread's gate columns beside its up columns), multiplied by oneDNN on that thread alone, and runs
-rotary and SiLU-and-mul on the columns it wrote; only a layer's two norms, which read whole rows, split by rows.
-One parallel region runs a layer from its O product to the next layer's Q/K/V, with barriers between its ops
-(csrc/layer_split.h); attention runs between regions as the loop runs it. Session 27 timed the chain alone
+Why (docs/design/cpu-kernels.md): at two threads SmolLM2's 30-layer chain of products and fused kernels cost ~12 ms
+more per 256-row step than its ops timed alone. oneDNN splits each product between the threads its own way and the
+fused kernels split by rows, so every op reads what the other core wrote. Here each thread owns fixed output columns
+of every product: a packed part of each weight (Q/K/V at head boundaries, O and down by columns, gate/up as the
+thread's gate columns beside its up columns), multiplied by oneDNN on that thread alone, and runs rotary and
+SiLU-and-mul on the columns it wrote; only a layer's two norms, which read whole rows, split by rows. One parallel
+region runs a layer from its O product to the next layer's Q/K/V, with barriers between its ops (csrc/layer_split.h);
+attention runs between regions as the loop runs it. On an Intel Xeon with AMX (two cores) the chain alone ran
 1.16-1.21x faster at 64-512 rows; `scripts/bench_layer_split.py` times whole steps with and without it.
 
 Which steps take it: those of at least `split_from` rows (packed weights only, the ones the loop multiplies by from
@@ -26,8 +26,9 @@ from torch import nn
 from orthrus_rag.layers import linear
 
 # rows from which a step takes the column split. Below it a step streams the layers' weights from memory more
-# than it computes, and both threads' parts contend for it: at 64-128 rows the split was 0.90-0.96x the whole form
-# on the AMX Xeon, at 256 1.05-1.08x, at 512 1.06-1.13x (scripts/bench_layer_split.py, BENCHMARKS.md session 28)
+# than it computes, and both threads' parts contend for it: at 64-128 rows the split was 0.90-0.96x the whole form,
+# at 256 1.05-1.08x, at 512 1.06-1.13x (measured on an Intel Xeon with AMX, two cores: scripts/bench_layer_split.py,
+# docs/design/cpu-kernels.md)
 SPLIT_FROM = 256
 # a part's columns: a multiple of this where the width allows (oneDNN's blocked layout packs 16-64 columns a block)
 ALIGN = 32

@@ -2,7 +2,7 @@
 of the weight (fp32 or bf16, the model's dtype).
 
 Which is faster depends on the CPU, so the engine measures at load time (`choose_kernel`) rather than assuming:
-on an AMD EPYC (session 2) MKL's sgemm reached ~205-225 GFLOP/s on 2 threads against oneDNN's ~400-475 on the
+on an AMD EPYC MKL's sgemm reached ~205-225 GFLOP/s on 2 threads against oneDNN's ~400-475 on the
 model's shapes; on a Xeon (Emerald Rapids, 2 threads) MKL is as fast for 32-256 rows and 1.5-3x faster for one
 row (a decode step at batch 1), because oneDNN's public path converts each activation to its layout and back.
 Where torch has `mkldnn._linear_pointwise` (dense input against a packed weight, what inductor emits) the
@@ -59,7 +59,7 @@ def _pointwise_op():  # -> torch.ops.mkldnn._linear_pointwise or None
 _POINTWISE = _pointwise_op()
 # oneDNN's own blocked layout for a linear weight (what inductor packs with): read at 24-31 GB/s by a one-row
 # product on an EPYC core against 15-17 GB/s for a plain `to_mkldnn` copy or the dense weight (30 layers of
-# SmolLM2, bf16 and fp32: BENCHMARKS.md); it needs the pointwise op to be read
+# SmolLM2, bf16 and fp32: docs/design/cpu-kernels.md); it needs the pointwise op to be read
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _POINTWISE is not None else None
 
 
@@ -184,7 +184,7 @@ def pack_linears(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m:
             setattr(parent, name, child)
         pack_module(child, from_rows)
         count += 1
-    logger.info("packed %d linear layers for oneDNN (from %d rows)", count, from_rows)
+    logger.debug("packed %d linear layers for oneDNN (from %d rows)", count, from_rows)
     return count
 
 
@@ -227,7 +227,7 @@ def choose_kernel(shapes: Iterable[tuple[int, int]], rows: tuple[int, ...] = ROW
     saving = {m: sum(v for r, v in logs.items() if r >= m) for m in rows}
     best = min(rows, key=lambda m: (saving[m], m))
     choice = best if saving[best] < math.log(0.95) * len(rows) else None
-    logger.info("linear kernel (%s, %d shapes): %s; oneDNN's time / dense per rows: %s", str(dtype).removeprefix(
+    logger.debug("linear kernel (%s, %d shapes): %s; oneDNN's time / dense per rows: %s", str(dtype).removeprefix(
         "torch."), len(shapes), "dense" if choice is None else f"oneDNN from {choice} rows",
         ", ".join(f"{m}: {math.exp(v):.2f}" for m, v in logs.items()))
     return choice

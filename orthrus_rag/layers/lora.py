@@ -10,7 +10,7 @@ Two ways to add the updates of a step with several adapters (`ModelConfig.lora_k
   into one [out, sum r]; all adapter rows go through both products at once, and a [rows, sum r] mask keeps each
   row's own adapter's columns (scaled). More arithmetic (each row meets every adapter's rank) for a constant
   number of ops, which wins once the per-op overhead of many adapters dominates.
-`auto` takes `stacked` from `STACKED_FROM_ADAPTERS` adapters in a step (measured: BENCHMARKS.md,
+`auto` takes `stacked` from `STACKED_FROM_ADAPTERS` adapters in a step (measured: docs/benchmarks/features.md,
 scripts/bench_lora.py). On the CPU, a model the engine loads with its fused kernels adds the updates under `auto`
 through a C++ kernel instead, one call per projection and adapter (layers/lora_fused.py); `per_slot` and
 `stacked` keep torch's ops there too.

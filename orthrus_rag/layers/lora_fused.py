@@ -4,7 +4,7 @@ products and the add over that adapter's rows in one pass.
 Why: the torch path (layers/lora.py's `per_slot`) takes two small products, a gather and a scatter-add per adapter
 and adapted module, 28 ops a layer for an adapter on all seven projections; in bf16 each of those products
 ([rows, 576] x [576, 8]) costs ~17-21 us on an EPYC core whatever its size (oneDNN's per-call cost, not the
-arithmetic: BENCHMARKS.md, session 9). The kernel takes a fused projection (Q/K/V, gate/up: layers/fused.py) as
+arithmetic: docs/design/cpu-kernels.md). The kernel takes a fused projection (Q/K/V, gate/up: layers/fused.py) as
 one: each row of the input meets every targeted part's A in one pass, and each part's B adds into its own slice of
 the fused output. One call per projection and adapter, from Python or from the C++ layer loop
 (layers/cpu_layer_loop.py), which calls it with the same arguments, so the two loops give the same bits.

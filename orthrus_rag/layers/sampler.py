@@ -1,12 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds (vLLM semantics).
 
-A sampled row draws one uniform u from its request's generator (or the global one, unseeded) and takes the token
-whose cumulative-probability interval holds u: the inverse CDF, exact in distribution. `torch.multinomial`, which
-this replaced, draws one exponential per vocabulary entry (its Gumbel-max fast path): ~20 ns each on an EPYC
-core, 55 ms a step for 58 rows of SmolLM2's 49,152 tokens, as long as the model's own decode step (BENCHMARKS.md,
-session 11). vLLM's CPU sampler fuses its own noise into one kernel for the same reason. On the CPU the draw is a
-C++ kernel (layers/csrc/sampling.h: block sums, then one block's scan, all in fp64); elsewhere an fp64 cumsum and
-`searchsorted` do the same.
+A sampled row draws one uniform u from its request's generator (or the global one, unseeded) and takes the token whose
+cumulative-probability interval holds u: the inverse CDF, exact in distribution. `torch.multinomial`, which this
+replaced, draws one exponential per vocabulary entry (its Gumbel-max fast path): ~20 ns each on an EPYC core, 55 ms a
+step for 58 rows of SmolLM2's 49,152 tokens, as long as the model's own decode step (docs/design/cpu-kernels.md).
+vLLM's CPU sampler fuses its own noise into one kernel for the same reason. On the CPU the draw is a C++ kernel
+(layers/csrc/sampling.h: block sums, then one block's scan, all in fp64); elsewhere an fp64 cumsum and `searchsorted`
+do the same.
 """
 
 from __future__ import annotations

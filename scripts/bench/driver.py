@@ -266,7 +266,7 @@ def summarize(result: RunResult) -> dict:
         out["steps"] = {k: sum(s[k] for s in result.steps) for k in ("embed", "prefill", "decode", "encoder")}
         out["steps"].update(num_steps=n, mixed_frac=sum(
             (s["embed"] + s["encoder"]) > 0 and (s["prefill"] + s["decode"]) > 0 for s in result.steps) / n)
-        # a decode's inter-token gaps (issue 37: what slo.itl_s bounds) and how often a latency target acted
+        # a decode's inter-token gaps (what slo.itl_s bounds) and how often a latency target acted
         gaps = np.array([g for s in result.steps for g in s.get("gaps", [])])
         out["steps"].update(
             itl_p50_s=float(np.percentile(gaps, 50)) if len(gaps) else None,

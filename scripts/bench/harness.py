@@ -70,7 +70,7 @@ class Session:
 UNBOUNDED = 1 << 20
 REMOTE = "remote:"  # a system named remote:<base URL>: a running `orthrus-rag serve`, through its EngineClient
 # a system named <policy>+slo: that in-process system with bench.yaml's `slo` latency targets as its scheduler.slo
-# (issue 37: `systems=[orthrus,orthrus+slo]` runs today's policy beside the targeted one in one sweep)
+# (`systems=[orthrus,orthrus+slo]` runs the untargeted policy beside the targeted one in one sweep)
 WITH_TARGETS = "+slo"
 
 

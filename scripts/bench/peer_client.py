@@ -28,7 +28,7 @@ def sampling_dict(params: SamplingParams | PoolingParams | None) -> dict[str, An
                            "ignore_eos": params.ignore_eos}
     if params.seed is not None:
         out["seed"] = params.seed
-    # NOTE: what the iterative methods ask (issue 38): a sentence ends at a new line, and FLARE reads each sampled
+    # NOTE: what the iterative methods ask: a sentence ends at a new line, and FLARE reads each sampled
     # token's logprob; a peer that ignored them would generate (and be timed on) different work
     if params.stop:
         out["stop"] = list(params.stop)

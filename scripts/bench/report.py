@@ -2,6 +2,11 @@
 
 Rows are `summarize()` dicts with a `system` and a `group` (e.g. the embed:gen ratio) added; runs are
 `RunResult.to_dict()` dicts, so a report can be redrawn from the JSON alone.
+
+As a command it redraws the plots of committed result files (docs/benchmarks/results/*.json): each file names the
+script that owns its plots, whose `plot_results(results, out_dir)` draws them.
+
+    python scripts/bench/report.py docs/benchmarks/results/ratio-sweep-amx-xeon.json [--out docs/benchmarks/img]
 """
 
 from __future__ import annotations
@@ -124,9 +129,95 @@ def plot_step_mix(runs: dict[str, dict], path: str | Path, bin_s: float = 1.0, t
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    lines = getattr(fig, "_bench_caption", 0)
+    if not getattr(fig, "_bench_laid_out", False):  # a caller that laid the figure out itself sets this
+        fig.tight_layout(rect=(0, 0.01 + lines * 0.1 / fig.get_figheight(), 1, 1) if lines else None)
+    fig.savefig(path, dpi=100)
     fig.clf()
     _plt().close(fig)
     logger.info("wrote %s", path)
     return path
+
+
+def caption(fig, machine: str, measured: str | None = None) -> None:
+    """The machine (and the date measured) in small lines under the plot."""
+    import textwrap
+
+    text = machine + (f"; measured {measured}" if measured else "")
+    width = int(fig.get_figwidth() * 19)  # characters of 6.5 pt text across the figure
+    lines = textwrap.wrap(text, width)
+    fig.text(0.01, 0.008, "\n".join(lines), fontsize=6.5, color="0.35", ha="left", va="bottom")
+    fig._bench_caption = len(lines)
+
+
+def _load_owner(script: str | Path):
+    """Import the script that owns a results file's plots. scripts/ goes on sys.path first, so `from bench import
+    ...` works inside it, and a module inside the `bench` package (scripts/bench/experiments/ratio_sweep.py) is
+    imported under its package name, so its relative imports resolve."""
+    import importlib
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    scripts_dir = root / "scripts"
+    path = Path(script)
+    path = (path if path.is_absolute() else root / path).resolve()
+    if str(scripts_dir) not in sys.path:
+        sys.path.insert(0, str(scripts_dir))
+    try:
+        parts = path.relative_to(scripts_dir).with_suffix("").parts
+    except ValueError:
+        parts = (path.stem,)
+    name = ".".join(parts)
+    if name in sys.modules:
+        return sys.modules[name]
+    if len(parts) > 1:
+        importlib.import_module(".".join(parts[:-1]))  # the parent package, for relative imports
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, "plot_results"):
+        raise SystemExit(f"{path} has no plot_results(results, out_dir)")
+    return module
+
+
+def result_rows(results: dict) -> dict:
+    """The figures of a committed results file (its "results" key), or a run's own results.json as it is."""
+    return results.get("results", results) if isinstance(results.get("results"), (dict, list)) else results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraw the plots of committed benchmark result files."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="report.py",
+        description="Redraw benchmark plots from result files (docs/benchmarks/results/*.json). Each file names "
+                    "the script that owns its plots (key \"script\"); that script's plot_results(results, out_dir) "
+                    "draws the PNGs listed under \"plots\".")
+    parser.add_argument("files", nargs="+", type=Path, help="result JSON files to redraw")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for the PNGs (default: img/ next to the results/ folder of each file, "
+                             "i.e. docs/benchmarks/img)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    written: list[Path] = []
+    for file in args.files:
+        results = json.loads(Path(file).read_text())
+        if not results.get("plots"):
+            print(f"{file}: no plots listed")
+            continue
+        out = args.out or Path(file).resolve().parent.parent / "img"
+        out.mkdir(parents=True, exist_ok=True)
+        paths = _load_owner(results["script"]).plot_results(results, out)
+        for p in paths:
+            print(p)
+        written += paths
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

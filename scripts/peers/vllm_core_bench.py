@@ -184,7 +184,7 @@ def run_group(cmd: list[str], env: dict | None, timeout_s: float, capture: bool 
               cwd: str | Path | None = None) -> tuple[int, str]:
     """Run `cmd` in its own process group and kill the whole group when it ends, times out or this process is
     interrupted: vLLM starts EngineCore and worker processes that a plain `subprocess.run` timeout (or a killed
-    benchmark) left running, each holding a core (BENCHMARKS.md, session 17). Returns the exit status and, with
+    benchmark) left running, each holding a core. Returns the exit status and, with
     `capture`, the output (else it goes to this process's)."""
     # NOTE: output to a file, not a pipe: a process the child left behind keeps a pipe open, and reading it to its
     # end would wait for that process, not for the child

@@ -165,8 +165,8 @@ class OrthrusPolicy(_Base):
         risk_e, risk_p = sched.at_risk(embed=True), sched.at_risk(embed=False)
         if risk_e != risk_p:
             # NOTE: one kind's latency target is at risk (slo.py): it takes all but the other kind's floor and
-            # fills first; measured before targets (issue 37): at 9:1 embed:generate a prompt got min_share of
-            # each step, so generation p95 was 5x the separate servers'
+            # fills first; measured without targets (docs/design/scheduling.md): at 9:1 embed:generate a prompt got
+            # min_share of each step, so generation p95 was 5x the separate servers'
             share_e = 1.0 - self.min_share if risk_e else self.min_share
         else:
             share_e = min(max(rem_e / (rem_e + rem_p), self.min_share), 1.0 - self.min_share)

@@ -7,8 +7,8 @@ Four mechanisms, each off until its target is set:
 - `embed_p95_s` also bounds every step's predicted time, to half the target: an embedding that arrives while a
   step runs waits for it, then runs in the next one, so two steps are its latency at best. Without the bound a
   step of the whole token budget (~0.2 s on 2 cores) alone outlasts a tight embedding target, however the
-  residual budget is shared (measured, issue 37: at 3:7 the separate embedding server answers in 0.15 s p95,
-  one 256-token step takes 0.2 s). A loose target (above two full steps) never binds.
+  residual budget is shared (measured at 3:7 on 2 cores: the separate embedding server answers in 0.15 s p95,
+  one 256-token step takes 0.2 s; docs/design/scheduling.md). A loose target (above two full steps) never binds.
 - `generate_p95_s` / `embed_p95_s`: pending work of a kind (a prompt or an embedding not yet done) that will have
   waited `risk_fraction` of its kind's end-to-end target by the end of the step being scheduled is at risk; the
   policy (engine/core/policies.py) then fills that kind first, with all of the residual budget but the other
@@ -16,8 +16,8 @@ Four mechanisms, each off until its target is set:
 
 - `yield_decodes` (on by default, with `embed_p95_s`): where the decodes in flight alone leave no room in the
   step's bound for the next chunk of each embedding at risk, some decodes sit out the step (step_sizing.py
-  `yielding_decodes`). A decode yields at most one step in two, and never past `itl_s`. Measured before it (issue
-  37, 1:9 on 2 cores): ~26 decodes filled a 60 ms bound, so an embedding ran 32 tokens a step over 2-3 steps
+  `yielding_decodes`). A decode yields at most one step in two, and never past `itl_s`. Measured without it (1:9
+  on 2 cores): ~26 decodes filled a 60 ms bound, so an embedding ran 32 tokens a step over 2-3 steps
   while the generations' own p95 was half the separate servers'.
 
 None takes work away when nothing is at risk: the step stays as large as its budget and the remaining-token split

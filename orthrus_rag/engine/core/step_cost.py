@@ -29,8 +29,8 @@ class StepShape:
     num_encoder_tokens: int = 0
     num_adapter_rows: int = 0
     num_adapters: int = 0
-    # rows that produce a token this step (every decode, a prompt's last chunk); session 19 measured steps of ~26
-    # decodes overrunning a fit without this term by 15-50%
+    # rows that produce a token this step (every decode, a prompt's last chunk): without this term, steps of ~26
+    # decodes overran the fit by 15-50% (docs/design/cost-model.md)
     num_sampled_rows: int = 0
 
     def features(self) -> np.ndarray:

@@ -37,4 +37,4 @@ def calibrate(runner: Any, model: StepCostModel, max_tokens: int, max_seconds: f
         seconds = runner.execute(sched).seconds  # device time: on CUDA these steps return before they finish
         if seconds is not None:
             model.observe(sched.shape(), seconds)
-    logger.info("step cost calibrated in %.2f s: %s", time.perf_counter() - start, model.describe())
+    logger.debug("step cost calibrated in %.2f s: %s", time.perf_counter() - start, model.describe())

@@ -45,7 +45,9 @@ def load_models(config: EngineConfig) -> LoadedModels:
     torch.manual_seed(config.seed)
     mc = config.model
     path = resolve_model_path(mc.name)
-    logger.info("loading decoder from %s", path)
+    dtype = str(mc.torch_dtype).removeprefix("torch.")
+    logger.info("loading decoder %s (%s on %s, %d threads) from %s", mc.name, dtype, mc.device,
+                torch.get_num_threads(), path)
     model = load_decoder(path, mc.torch_dtype, mc.device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     slots: dict[str, int] = {}
@@ -64,7 +66,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     encoder_pooling: dict = {}
     if mc.embedding_model is not None:
         enc_path = resolve_model_path(mc.embedding_model)
-        logger.info("loading embedding model from %s", enc_path)
+        logger.info("loading embedding model %s (%s on %s) from %s", mc.embedding_model, dtype, mc.device, enc_path)
         encoder = BertEncoder.from_pretrained(enc_path, mc.torch_dtype, mc.device).eval()
         encoder.cpu_attention_kernel = mc.cpu_prefill_kernel
         encoder_tokenizer = AutoTokenizer.from_pretrained(str(enc_path))
@@ -92,12 +94,25 @@ def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, 
     oneDNN ran it 1.5-2x MKL's speed from 4 rows up, the layers' shapes 1.05-1.25x, and one row slower."""
     # NOTE: after the adapters: LoRALinear keeps the packed copy of the layer it wraps
     head = getattr(model, "lm_head", None)
-    for keep in (lambda m: m is not head, lambda m: m is head):
+    chosen: dict[str, int | None] = {}
+    for group, keep in (("layers", lambda m: m is not head), ("LM head", lambda m: m is head)):
         shapes = linear_shapes(model, keep)
-        if shapes and (from_rows := _packed_from(kernel, shapes, dtype, device)) is not None:
-            pack_linears(model, keep, from_rows)
-    if encoder is not None and (from_rows := _packed_from(kernel, linear_shapes(encoder), dtype, device)) is not None:
-        pack_linears(encoder, from_rows=from_rows)
+        if shapes:
+            chosen[group] = from_rows = _packed_from(kernel, shapes, dtype, device)
+            if from_rows is not None:
+                pack_linears(model, keep, from_rows)
+    if encoder is not None:
+        chosen["encoder"] = from_rows = _packed_from(kernel, linear_shapes(encoder), dtype, device)
+        if from_rows is not None:
+            pack_linears(encoder, from_rows=from_rows)
+    if torch.device(device).type != "cpu":
+        return
+    # NOTE: one line for the choice; the per-shape timings behind it are at DEBUG (layers/linear.py)
+    why = (f" (oneDNN's packed bf16 path needs {ONEDNN_BF16_FLAGS})" if kernel == "auto" and dtype == torch.bfloat16
+           and not onednn_available(dtype, device) else "")
+    logger.info("linear kernels (%s): %s%s", str(dtype).removeprefix("torch."), ", ".join(
+        f"{group} {'dense' if rows is None else f'oneDNN from {rows} row' + 's' * (rows > 1)}"
+        for group, rows in chosen.items()), why)
 
 
 def _packed_from(kernel: str, shapes: list[tuple[int, int]], dtype: torch.dtype, device: str) -> int | None:
@@ -106,7 +121,7 @@ def _packed_from(kernel: str, shapes: list[tuple[int, int]], dtype: torch.dtype,
         check_packable(dtype)  # NOTE: asked for by name: refused in one line, not by torch's reorder mid-load
     if kernel == "dense" or not onednn_available(dtype, device):
         if kernel == "auto" and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
-            logger.info("bf16 linears stay dense: oneDNN's packed bf16 path needs %s", ONEDNN_BF16_FLAGS)
+            logger.debug("bf16 linears stay dense: oneDNN's packed bf16 path needs %s", ONEDNN_BF16_FLAGS)
         return None
     if kernel == "onednn":
         return 1

@@ -11,7 +11,7 @@ with heads of 32 the softmax is a larger share than at 64), and attention fell f
 passages. In fp32 (every model on an AVX2-only CPU) it runs the kernel's fp32 body (csrc/attention_f32.h); for
 head sizes that are not a multiple of 32, or bf16 without AVX512-BF16, the encoder keeps SDPA; so does bf16 on an
 AMX CPU where the kernel's AMX body cannot run (torch's SDPA on AMX tiles ran 1.2-2.5x the AVX512-BF16 body on
-MiniLM's shapes; the AMX body runs 1.2-1.9x SDPA there: `prefill_kernel_available`, BENCHMARKS.md session 29).
+MiniLM's shapes; the AMX body runs 1.2-1.9x SDPA there: `prefill_kernel_available`, docs/benchmarks/per-core.md).
 """
 
 from __future__ import annotations

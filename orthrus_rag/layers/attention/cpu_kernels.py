@@ -15,7 +15,7 @@ cache, one pass over K, one over V. Reading rows whole and prefetched cut a deco
 bound by the latency of its strided gathers.
 
 Where the compiler targets AVX512-BF16, bf16 caches with head sizes of 64, 128 or 256 and at most 8 query heads
-per KV head take a second path (session 12): scores 16 keys at a time by `vdpbf16ps` on the cached bf16 rows,
+per KV head take a second path: scores 16 keys at a time by `vdpbf16ps` on the cached bf16 rows,
 reduced by one transpose-and-add, and P @ V with each query head's accumulators in registers. The first path
 reduced every (key, head) product on its own and kept its sums in memory, which made it compute-bound, not
 memory-bound: ~110 ns a key with the cache warm (SmolLM2's 9/3 heads), against ~25. On 30 layers of cold caches

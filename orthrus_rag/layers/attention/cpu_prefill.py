@@ -16,23 +16,23 @@ over 512 keys 0.43 against 1.03 ms.
 The bf16 body is built only where the compiler targets AVX512-BF16 (`prefill_attention_supported`). The fp32 body
 (csrc/attention_f32.h) has the same layout and work items in GCC vector extensions one register wide (8 floats on
 AVX2, 16 on AVX-512), with P kept in fp32: an AVX2-only CPU runs every model in fp32, and there SDPA was 5.5% of a
-backbone embedding step and 15% of MiniLM's encoder forward (BENCHMARKS.md, session 24). With a head size that is
-not a multiple of 32, or in another dtype, the grouped backend keeps SDPA.
+backbone embedding step and 15% of MiniLM's encoder forward (AMD EPYC, AVX2 only: docs/design/cpu-kernels.md). With a
+head size that is not a multiple of 32, or in another dtype, the grouped backend keeps SDPA.
 
 Where the CPU has AMX, bf16 runs a third body (csrc/prefill_amx.h): blocks of 16 query rows, Q @ K^T and P @ V as
 AMX tile products over K and V repacked as whole tiles (each one contiguous KiB), the same fp32 softmax between
 them with a cheaper exponential (2^x, a degree-5 fit: fp32's rounding). There the products take 35-40% of the
 time after a long prefix and the softmax ~50%. On an AMX Xeon core it ran 1.5x torch's flash SDPA (which packs
 its own blocks for AMX through oneDNN's brgemm) on a 256-token chunk after 2,048 cached keys, 2.0x on a
-256-token prefill, 1.7-4.4x the AVX512-BF16 body (BENCHMARKS.md, session 29). `amx_body` says whether it runs
+256-token prefill, 1.7-4.4x the AVX512-BF16 body (docs/benchmarks/per-core.md). `amx_body` says whether it runs
 here: the build targets AMX-BF16 (a compiler that knows AMX) and Linux granted the process the tile state
 (`arch_prctl`, which oneDNN requests too).
 
-Before that body, bf16 on AMX kept SDPA, which ran 1.7-2.9x the AVX512-BF16 body there, except in steps whose
-every chunk is short (`short_chunks`: at most `AMX_SHORT_KEYS` keys), where the kernel spared SDPA's per-call
-set-up (BENCHMARKS.md, sessions 25-26). That rule still holds where the AMX body cannot run (a compiler without
-AMX-BF16, or the OS refused the tile state). `prefill_kernel_runs` says whether the kernel can run here (its tests and benchmark);
-`prefill_kernel_available`, whether the engine takes it.
+Without that body, bf16 on AMX keeps SDPA, which ran 1.7-2.9x the AVX512-BF16 body there, except in steps whose every
+chunk is short (`short_chunks`: at most `AMX_SHORT_KEYS` keys), where the kernel spares SDPA's per-call set-up
+(measured on an Intel Xeon with AMX, one core: docs/design/cpu-kernels.md). That rule still holds where the AMX body
+cannot run (a compiler without AMX-BF16, or the OS refused the tile state). `prefill_kernel_runs` says whether the
+kernel can run here (its tests and benchmark); `prefill_kernel_available`, whether the engine takes it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..report import write_json
+from ..report import _plt, _save, caption, result_rows, write_json
 from ..workloads import make_text
 
 logger = logging.getLogger(__name__)
@@ -73,3 +73,24 @@ def main(cfg: DictConfig, out: Path) -> None:
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     logger.info("\n%s", table)
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """The largest absolute difference from the whole-sequence reference against the chunk size, one line per
+    pooler (log scale; fp32 rounding is ~1e-7 for a normalised vector). `results`:
+    docs/benchmarks/results/paper-chunk-equivalence.json or a run's results.json. Redraw:
+    `python scripts/bench/report.py docs/benchmarks/results/paper-chunk-equivalence.json`."""
+    rows = result_rows(results)["rows"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for pooler in dict.fromkeys(r["pooler"] for r in rows):
+        pts = sorted((r["chunk"], r["max_abs_diff"]) for r in rows if r["pooler"] == pooler)
+        worst = min(r["min_cosine"] for r in rows if r["pooler"] == pooler)
+        ax.plot([c for c, _ in pts], [d for _, d in pts], marker="o", label=f"{pooler} (min cosine {worst:.7f})")
+    ax.set(title="Chunked against whole-sequence embeddings (fp32)", xlabel="chunk size (tokens per step)",
+           ylabel="max absolute difference", xscale="log", yscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="center left", ncol=2)
+    caption(fig, results.get("machine", ""), results.get("measured"))
+    names_out = results.get("plots") or ["chunk-equivalence.png"]
+    return [_save(fig, Path(out_dir) / names_out[0])]

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from ..driver import RunResult, open_loop
 from ..harness import Session, workload
-from ..report import markdown_table, plot_latency_cdf, plot_step_mix, write_json
+from ..report import _plt, _save, caption, markdown_table, plot_latency_cdf, plot_step_mix, result_rows, write_json
 from ..workloads import fcfs_blocking
 from .common import by_group, first_peer, rows
 
@@ -41,3 +41,28 @@ def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> N
     plot_latency_cdf(by_group(results, GROUP), out / "latency_cdf.png", title="(FCFS-blocking burst)")
     plot_step_mix(by_group(results, GROUP), out / "step_mix.png", title="(FCFS-blocking burst)")
     logger.info("\n%s", table)
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Each system's embedding p99 (what strict FCFS inflates) and its makespan for the burst, side by side.
+    `results`: docs/benchmarks/results/paper-fcfs-blocking.json or a run's results.json. Redraw:
+    `python scripts/bench/report.py docs/benchmarks/results/paper-fcfs-blocking.json`."""
+    rows = result_rows(results)["rows"]
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4))
+    names = [r["system"] for r in rows]
+    colors = ["tab:blue" if n == "orthrus" else "tab:gray" if n in ("vllm", "hf") else "tab:cyan" for n in names]
+    for ax, values, title, unit in (
+            (axes[0], [r["kinds"]["embed"]["p99_s"] for r in rows], "embedding p99", "seconds"),
+            (axes[1], [r["makespan_s"] for r in rows], "makespan of the burst", "seconds")):
+        ax.barh(names, values, color=colors)
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.1f}", va="center", fontsize=7)
+        ax.set(title=f"{title} (lower is better)", xlabel=unit)
+        ax.invert_yaxis()
+        ax.margins(x=0.15)
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle("Worst-case FCFS blocking: 48 long generations, then 64 embeddings at once", fontsize=10)
+    caption(fig, results.get("machine", ""), results.get("measured"))
+    names_out = results.get("plots") or ["fcfs-blocking.png"]
+    return [_save(fig, Path(out_dir) / names_out[0])]

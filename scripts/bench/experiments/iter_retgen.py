@@ -1,9 +1,11 @@
-"""Iter-RetGen on 2WikiMultihopQA per system: question throughput and p50/p95/p99 end-to-end latency, with answer
-quality alongside (it must not change with the policy beyond sampling noise).
+"""Iter-RetGen (or any RAG method) on 2WikiMultihopQA per system: question throughput and p50/p95/p99 end-to-end
+latency, with answer quality alongside (it should not change with the policy beyond sampling noise).
 
 Each policy or deployment is one `orthrus-rag run` (the command a user runs: `scheduler=orthrus`, ...,
 `deploy=dedicated`), in its own process, into `out/<system>/`; a peer runs the same app through
-`peer_app.py` under its own interpreter. The table is built from the runs' summary.json and records.jsonl."""
+`peer_app.py` under its own interpreter. The table is built from the runs' summary.json and records.jsonl.
+`plot_results` redraws the committed figures (docs/benchmarks/results/methods-*.json) through
+scripts/bench/report.py; the page is docs/benchmarks/methods.md."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from orthrus_rag.engine.clients import SYSTEMS
 
-from ..harness import ROOT, peer_python
-from ..peer_client import PEERS
-from ..report import _fmt, _plt, _save, write_json
+# NOTE: absolute imports (scripts/ on sys.path), so scripts/bench/report.py can load this file by path too
+from bench.harness import ROOT, peer_python
+from bench.peer_client import PEERS
+from bench.report import _fmt, _plt, _save, write_json
 
 logger = logging.getLogger(__name__)
 # bench.yaml's nodes that every system's `orthrus-rag run` shares, key by key (they are the CLI's nodes); the model
@@ -41,7 +44,8 @@ def app_overrides(cfg: DictConfig, run_dir: Path) -> list[str]:
         dataset = Path(x.dataset_path)
         dataset = dataset if dataset.is_absolute() else ROOT / dataset
         if not dataset.exists():
-            raise FileNotFoundError(f"experiment.dataset_path {dataset} does not exist (see ../shared/data/README)")
+            raise FileNotFoundError(f"experiment.dataset_path {dataset} does not exist (pass the 2WikiMultihopQA dev "
+                                    "file: experiment.dataset_path=<path>)")
         data = [f"dataset.path={dataset}"]
     if x.limit is not None:
         data.append(f"dataset.limit={x.limit}")
@@ -115,7 +119,7 @@ def main(cfg: DictConfig, out: Path) -> None:
 
 
 def report_methods(cfg: DictConfig, by_method: dict[str, dict[str, dict]], out: Path) -> None:
-    """One table over methods x systems (issue 38): answer quality, how much each method retrieves and generates
+    """One table over methods x systems: answer quality, how much each method retrieves and generates
     per question, and each system's q/s and p99 beside the first peer's."""
     write_json(out / "results.json", {"methods": by_method})
     head = ["method", "system", "EM", "F1", "acc", "recall@5", "retrievals / q", "generated tokens / q", "q/s",
@@ -171,3 +175,79 @@ def report(cfg: DictConfig, results: dict[str, dict], out: Path) -> None:
     ax.legend(fontsize=8)
     _save(fig, out / "latency_cdf.png")
     logger.info("\n%s", table)
+
+
+SYSTEM_COLORS = {"orthrus": "tab:blue", "dedicated": "tab:gray", "vllm": "tab:orange"}
+SYSTEM_LABELS = {"orthrus": "orthrus (one engine, 2 cores)", "dedicated": "dedicated (2 workers, 1 core each)",
+                 "vllm": "vLLM pair (1 core each)"}
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Draw the PNGs a committed results file names (`results["plots"]`): per method, q/s and p99 of each system
+    (grouped bars, the engine's ratio to the vLLM pair above its bar) from `results["results"]["methods"]`; or, for
+    a file with `answer_format` / `embedding_recall` results, answer quality per answer format and recall per
+    embedding."""
+    from bench.report import caption
+
+    body, out_dir = results["results"], Path(out_dir)
+    plt = _plt()
+    if "methods" in body:
+        fig = _plot_methods(plt, body["methods"])
+    else:
+        fig = _plot_quality(plt, body)
+    caption(fig, results["machine"], results.get("measured"))
+    return [_save(fig, out_dir / results["plots"][0])]
+
+
+def _plot_methods(plt, by_method: dict[str, dict[str, dict]]):
+    methods = list(by_method)
+    systems = [s for s in SYSTEM_COLORS if any(s in by_method[m] for m in methods)]
+    width = 0.8 / len(systems)
+    fig, (ax_q, ax_p) = plt.subplots(1, 2, figsize=(9, 4))
+    x = np.arange(len(methods))
+    for i, system in enumerate(systems):
+        qps = [by_method[m].get(system, {}).get("throughput_qps", np.nan) for m in methods]
+        p99 = [by_method[m].get(system, {}).get("latency_s", {}).get("p99", np.nan) for m in methods]
+        pos = x + (i - (len(systems) - 1) / 2) * width
+        ax_q.bar(pos, qps, width, color=SYSTEM_COLORS[system], label=SYSTEM_LABELS.get(system, system))
+        ax_p.bar(pos, p99, width, color=SYSTEM_COLORS[system])
+        if system == "orthrus":
+            for j, m in enumerate(methods):
+                peer = by_method[m].get("vllm")
+                if peer and not np.isnan(qps[j]):
+                    ax_q.annotate(f"{qps[j] / peer['throughput_qps']:.2f}×", (pos[j], qps[j]), ha="center",
+                                  va="bottom", fontsize=7)
+    for ax, title, label in ((ax_q, "throughput (× the vLLM pair above the engine's bar)", "questions/s"),
+                             (ax_p, "p99 latency per question", "seconds")):
+        ax.set_xticks(x, [m.replace("_", " ") for m in methods], fontsize=8)
+        ax.set(title=title, ylabel=label)
+        ax.title.set_fontsize(9)
+        ax.grid(axis="y", alpha=0.3)
+    ax_q.legend(fontsize=7, loc="upper right")
+    fig.suptitle("RAG methods on 2WikiMultihopQA-200, every question in flight", fontsize=10)
+    return fig
+
+
+def _plot_quality(plt, body: dict):
+    fig, (ax_a, ax_e) = plt.subplots(1, 2, figsize=(9, 4))
+    formats = body.get("answer_format", {})
+    metrics = ("em", "f1", "acc")
+    x = np.arange(len(formats))
+    for i, metric in enumerate(metrics):
+        ax_a.bar(x + (i - 1) * 0.27, [formats[f][metric] for f in formats], 0.27, label=metric.upper())
+    ax_a.set_xticks(x, list(formats))
+    ax_a.set(title="Iter-RetGen by pipeline.answer_format", ylabel="score (0-1)", xlabel="answer format")
+    recall = body.get("embedding_recall", {})
+    names = list(recall)
+    x = np.arange(len(names))
+    for i, k in enumerate(("recall@2", "recall@5", "recall@10")):
+        ax_e.bar(x + (i - 1) * 0.27, [recall[n][k] for n in names], 0.27, label=k)
+    short = [n.replace(", no training", "").replace(" prompt", "").replace(", ", "\n").replace(" + ", " +\n")
+             for n in names]
+    ax_e.set_xticks(x, short, fontsize=7)
+    ax_e.set(title="Supporting-paragraph recall by embedding", ylabel="recall (0-1)")
+    for ax in (ax_a, ax_e):
+        ax.title.set_fontsize(9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from ..driver import RunResult, open_loop
 from ..harness import Session, workload
-from ..report import _fmt, _plt, _save, plot_latency_cdf, write_json
+from ..report import _fmt, _plt, _save, caption, plot_latency_cdf, result_rows, write_json
 from ..workloads import poisson
 from .common import by_group, first_peer
 
@@ -89,3 +89,23 @@ def plot_curves(curves: dict[str, list[dict]], path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """p99 latency per kind against the offered rate, one line per system (log scale). `results`:
+    docs/benchmarks/results/paper-poisson.json or a run's results.json. Redraw:
+    `python scripts/bench/report.py docs/benchmarks/results/paper-poisson.json`."""
+    curves = result_rows(results)["curves"]
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4), sharey=True)
+    for ax, kind in zip(axes, KINDS):
+        for system, pts in curves.items():
+            ax.plot([p["offered_rps"] for p in pts], [p[f"{kind}_p99_s"] for p in pts], marker="o", label=system,
+                    lw=2.2 if system == "orthrus" else 1.2)
+        ax.set(title=f"{kind} p99 latency", xlabel="offered requests/s (half embeddings)", yscale="log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("p99 latency (s), log scale")
+    axes[0].legend(fontsize=7)
+    caption(fig, results.get("machine", ""), results.get("measured"))
+    names_out = results.get("plots") or ["poisson.png"]
+    return [_save(fig, Path(out_dir) / names_out[0])]

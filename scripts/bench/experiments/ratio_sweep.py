@@ -10,7 +10,17 @@ from omegaconf import DictConfig
 
 from ..driver import RunResult, closed_loop, summarize
 from ..harness import Session, workload
-from ..report import markdown_table, plot_latency_cdf, plot_step_mix, plot_throughput, write_json
+from ..report import (
+    _plt,
+    _save,
+    caption,
+    markdown_table,
+    plot_latency_cdf,
+    plot_step_mix,
+    plot_throughput,
+    result_rows,
+    write_json,
+)
 from ..workloads import mixed_stream
 from .common import by_group, first_peer, rows
 
@@ -50,3 +60,98 @@ def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> N
         plot_latency_cdf(by_group(results, g), out / f"latency_cdf_{tag}.png", title=f"({g})")
         plot_step_mix(by_group(results, g), out / f"step_mix_{tag}.png", title=f"({g})")
     logger.info("\n%s", table)
+
+
+PEER = "vllm"
+KIND_STYLE = {"embed": ("o", "-"), "generate": ("s", "--")}
+
+
+def _series(row: dict) -> str:
+    """The legend name of a row: its system, and its latency targets where it had any."""
+    if row["system"] == "orthrus+slo" and row.get("slo"):
+        return "orthrus + latency targets"
+    return {"orthrus": "orthrus, no targets"}.get(row["system"], row["system"])
+
+
+def _against_peer(rows: list[dict], key: str, path: Path, machine: str, measured: str | None) -> Path:
+    """Each kind's `key` (throughput_rps or p95_s) over the vLLM pair's in the same mix, one line per series."""
+    plt = _plt()
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    peer = {r["group"]: r for r in rows if r["system"] == PEER}
+    series: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        if r["system"] != PEER and r.get("plot", True) and r["group"] in peer:
+            series.setdefault(_series(r), {})[r["group"]] = r
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    top = 1.1
+    for color, (name, by_group) in zip(colors, series.items()):
+        for kind, (marker, ls) in KIND_STYLE.items():
+            xs = [g for g in groups if g in by_group]
+            ys = [by_group[g]["kinds"][kind][key] / peer[g]["kinds"][kind][key] for g in xs]
+            ax.plot(xs, ys, marker=marker, ls=ls, color=color, label=f"{name}: {kind}")
+            top = max([top, *ys])
+    ax.axhline(1.0, color="0.3", lw=1, label="the vLLM pair (= 1)")
+    if key == "p95_s":
+        ax.axhline(1.1, color="0.5", lw=0.8, ls=":", label="1.1x the pair")
+        ax.set(title="p95 latency per kind over the vLLM pair's (lower is better)", ylabel="p95 / the pair's p95 (x)")
+    else:
+        ax.set(title="requests/s per kind over the vLLM pair's (higher is better)",
+               ylabel="req/s / the pair's req/s (x)")
+    ax.set_xlabel("embed:gen mix (64 closed-loop clients)")
+    ax.set_ylim(0, top * 1.45)  # room for the legend above the lines
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="upper center")
+    caption(fig, machine, measured)
+    return _save(fig, path)
+
+
+def _against_baseline(rows: list[dict], path: Path, machine: str, measured: str | None,
+                      baseline: str = "dedicated") -> Path:
+    """Each system's req/s per kind over `baseline`'s in the same mix (two panels, one per kind); without that
+    system in the rows, the req/s themselves."""
+    plt = _plt()
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    base = {r["group"]: r for r in rows if r["system"] == baseline}
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4), sharey=bool(base))
+    for ax, kind in zip(axes, ("embed", "generate")):
+        for system in systems:
+            if base and system == baseline:
+                continue
+            by_group = {r["group"]: r for r in rows if r["system"] == system}
+            xs = [g for g in groups if g in by_group and (not base or g in base)]
+            ys = [by_group[g]["kinds"][kind]["throughput_rps"] / (base[g]["kinds"][kind]["throughput_rps"]
+                                                                 if base else 1.0) for g in xs]
+            ax.plot(xs, ys, marker="o", label=system)
+        if base:
+            ax.axhline(1.0, color="0.3", lw=1, label=f"{baseline} (= 1)")
+            ax.set(title=f"{kind}: req/s over {baseline}'s", ylabel=f"req/s / {baseline}'s (x)")
+        else:
+            ax.set(title=f"{kind} requests/s", ylabel="completed requests/s")
+        ax.set_xlabel("embed:gen mix")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    caption(fig, machine, measured)
+    return _save(fig, path)
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """The PNGs a results file names (docs/benchmarks/results/ratio-sweep-*.json, or a run's own results.json):
+    `*-throughput.png` each kind's req/s over the vLLM pair's by mix, `*-p95.png` each kind's p95 over the pair's,
+    any other name each system's req/s over `dedicated`'s by mix. Redraw: `python scripts/bench/report.py <file>`."""
+    rows = result_rows(results)["rows"]
+    has_peer = any(r["system"] == PEER for r in rows)
+    names = results.get("plots") or (["ratio-sweep-throughput.png", "ratio-sweep-p95.png"] if has_peer
+                                     else ["ratio-sweep-rps.png"])
+    machine, measured = results.get("machine", ""), results.get("measured")
+    out = []
+    for name in names:
+        path = Path(out_dir) / name
+        if name.endswith("-throughput.png") and has_peer:
+            out.append(_against_peer(rows, "throughput_rps", path, machine, measured))
+        elif name.endswith("-p95.png") and has_peer:
+            out.append(_against_peer(rows, "p95_s", path, machine, measured))
+        else:
+            out.append(_against_baseline(rows, path, machine, measured))
+    return out

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from ..driver import RunResult, closed_loop
 from ..harness import Session, workload
-from ..report import _fmt, _plt, _save, plot_latency_cdf, plot_step_mix, write_json
+from ..report import _fmt, _plt, _save, caption, plot_latency_cdf, plot_step_mix, result_rows, write_json
 from ..workloads import three_phase
 from .common import first_peer
 
@@ -107,3 +107,26 @@ def plot_completions(results: dict[str, dict[str, dict]], path: Path, bin_s: flo
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_results(results: dict, out_dir: Path) -> list[Path]:
+    """Completed requests/s per phase, one bar per system. `results`: docs/benchmarks/results/paper-three-phase.json
+    or a run's results.json. Redraw: `python scripts/bench/report.py docs/benchmarks/results/paper-three-phase.json`."""
+    phases = result_rows(results)["phases"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    systems = list(phases)
+    n = max(len(rows) for rows in phases.values())
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        rows = phases[system]
+        xs = [k + (i - (len(systems) - 1) / 2) * width for k in range(len(rows))]
+        ax.bar(xs, [r["throughput_rps"] for r in rows], width, label=system)
+    first = phases[systems[0]]
+    ax.set_xticks(range(n), [f"phase {k + 1} ({100 * first[k]['embed_frac']:.0f}% embeddings)" for k in range(n)])
+    ax.set(title="Three phases: completed requests/s per phase (higher is better)", ylabel="requests/s")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, ncol=2)
+    caption(fig, results.get("machine", ""), results.get("measured"))
+    names_out = results.get("plots") or ["three-phase.png"]
+    return [_save(fig, Path(out_dir) / names_out[0])]
