@@ -12,10 +12,10 @@ from orthrus_rag.config.engine import CacheConfig, ModelConfig, SchedulerConfig
 
 @dataclass
 class DatasetConf:
-    name: str = "synthetic"
+    name: str = "synthetic"  # synthetic | 2wiki | hotpotqa | jsonl (your own questions, from `path`)
     path: str | None = None  # a local JSONL file (2Wiki / HotpotQA format); None: the hub (or the generator)
-    hub_id: str | None = None
-    split: str | None = None
+    hub_id: str | None = None  # another hub dataset of the same shape; None: the named dataset's own id
+    split: str | None = None  # the hub split; None: the named dataset's own (validation)
     limit: int | None = None  # the first N questions
     num_questions: int = 60  # synthetic only
     seed: int = 0  # synthetic only
@@ -53,7 +53,7 @@ class DeployConf:
     replicas: int = 1
     min_replicas: int | None = None  # both set: Ray Serve autoscales between them, by `target_ongoing_requests`
     max_replicas: int | None = None
-    target_ongoing_requests: float = 32.0
+    target_ongoing_requests: float = 32.0  # autoscaling: in-flight requests per replica Ray Serve aims at
     upscale_delay_s: float = 30.0  # autoscaling: how long the load must stay above (below) target before Ray
     downscale_delay_s: float = 600.0  # adds (removes) a replica; Ray Serve's defaults
     retries: int = 2  # a call whose replica died is sent again this many times (then: HTTP 503 / a failed question)
@@ -66,10 +66,10 @@ class DeployConf:
 class RetrieverConf:
     kind: str = "dense"  # dense (FAISS) | bm25 (bm25s) | hybrid (the two fused by reciprocal rank)
     index_type: str = "flat"  # flat | ivf | hnsw | factory (any faiss.index_factory string in `factory`)
-    k: int = 5
-    nlist: int = 64
+    k: int = 5  # passages retrieved per query
+    nlist: int = 64  # ivf: inverted lists (FAISS asks 30-256 training vectors per list)
     nprobe: int = 8  # search time: inverted lists visited (ivf, and factory strings with IVF)
-    hnsw_m: int = 32
+    hnsw_m: int = 32  # hnsw: links per node
     ef_search: int = 64  # search time: HNSW's candidate list (hnsw, and factory strings with HNSW)
     factory: str | None = None  # index_type=factory: e.g. "IVF4096,PQ64", "OPQ64,IVF65536_HNSW32,PQ64"
     train_size: int = 131072  # vectors an index that trains is trained on (a seeded sample of the corpus)
@@ -83,8 +83,8 @@ class RetrieverConf:
     bm25_weight: float = 1.0
     rrf_k: float = 60.0  # hybrid: the fusion's rank offset (Cormack et al.'s 60)
     candidates: int = 20  # hybrid: hits asked of each side before fusing (at least k)
-    pooling: str = "mean"
-    query_instruction: str | None = None
+    pooling: str = "mean"  # how an embedding pools its hidden states: mean | weighted_mean | cls | first | last
+    query_instruction: str | None = None  # a prefix put before each query (not before documents)
     # the LoRA adapter documents and queries embed under (a name in model.adapters or an embedding adapter's);
     # None: the default route (the encoder, else the first embedding adapter, else the bare backbone)
     adapter: str | None = None
@@ -92,13 +92,13 @@ class RetrieverConf:
 
 @dataclass
 class PipelineConf:
-    name: str = "iter_retgen"
-    iterations: int = 2
-    max_tokens: int = 96
-    temperature: float = 0.0
+    name: str = "iter_retgen"  # iter_retgen | standard_rag | no_retrieval | ircot | flare | self_ask
+    iterations: int = 2  # iter_retgen: retrieve-then-generate rounds
+    max_tokens: int = 96  # tokens of a final generation at most
+    temperature: float = 0.0  # 0: greedy
     max_concurrency: int | None = None  # questions in flight; None: sized from the engine (see default_concurrency)
     question_timeout_s: float | None = None  # a question unanswered this long is recorded as failed; None: no limit
-    chat_template: bool = True
+    chat_template: bool = True  # send prompts through the model's chat template (false: plain text)
     # how the final iteration writes its answer: free | constrained ("... So the answer is X." forced by a
     # grammar) | json ({"answer": ...}); see pipelines/answers.py
     answer_format: str = "free"
@@ -120,11 +120,11 @@ class ServeConf:
     """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (entrypoints/openai/)."""
 
     host: str = "127.0.0.1"  # loopback by default; another address exposes the engine to the network
-    port: int = 8000
+    port: int = 8000  # the port the server listens on
     api_key: str | None = None  # None: the ORTHRUS_API_KEY environment variable, else no key
     served_model_name: str | None = None  # the generation model's name in the API; None: model.name
     default_max_tokens: int = 512  # when a request gives no max_tokens
-    log_level: str = "info"
+    log_level: str = "info"  # uvicorn's log level
     # with retriever.index_dir: the index /v1/search searches and /v1/documents adds to (kept in that folder);
     # create_index makes it there, empty, when the folder holds none
     create_index: bool = False

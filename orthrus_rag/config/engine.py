@@ -20,7 +20,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class ModelConfig:
     """Which weights to run. `name` is a built-in name, a local folder, a GGUF file or a hub id."""
 
-    name: str = "smollm2-135m-instruct"
+    name: str = "smollm2-135m-instruct"  # a built-in name, a local folder, a GGUF file or a hub id
     embedding_adapters: list[str] = field(default_factory=list)  # PEFT folders; the first is the default
     # named PEFT LoRA folders ({name: path}) that requests address by name (SamplingParams.adapter,
     # PoolingParams.adapter, or the API's `model`); each may generate and embed unless `adapter_kinds` says
@@ -35,7 +35,7 @@ class ModelConfig:
     # "auto": bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 / AMX: 3-4x fp32's GEMMs there),
     # float32 on other CPUs; norms, rotary, softmax, logits, sampling and pooling sums run in fp32 either way
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda (cuda:N)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # fp32 on CPU: Linear layers on torch's dense matmul or a oneDNN copy of their weights; "auto" times both on
     # the model's shapes at load (layers/linear.py: oneDNN ~2x MKL on an AMD EPYC, MKL ahead on a Xeon)
@@ -107,9 +107,9 @@ class CacheConfig:
     """Paged KV cache size: `num_blocks` blocks of `block_size` tokens, or (when num_blocks is None) as many
     blocks as fit in `kv_cache_gib` of memory."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_gib: float = 1.0
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks; None: as many as fit in kv_cache_gib
+    kv_cache_gib: float = 1.0  # memory for the KV cache when num_blocks is None
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (engine/core/block_manager.py)
 
     def __post_init__(self) -> None:
@@ -136,11 +136,11 @@ class SloConfig:
     step's predicted time to half of it (engine/core/slo.py), and with `yield_decodes` a decode may sit out one
     step so that an embedding at risk fits in that bound (never two steps running, never past `itl_s`)."""
 
-    itl_s: float | None = None
-    generate_p95_s: float | None = None
-    embed_p95_s: float | None = None
-    risk_fraction: float = 0.5
-    yield_decodes: bool = True
+    itl_s: float | None = None  # a decode's inter-token time at most (seconds)
+    generate_p95_s: float | None = None  # a generation's end-to-end target (seconds)
+    embed_p95_s: float | None = None  # an embedding's end-to-end target (seconds)
+    risk_fraction: float = 0.5  # share of its target a request may wait before its kind goes first
+    yield_decodes: bool = True  # a decode may sit out one step for an embedding at risk
 
     def __post_init__(self) -> None:
         for name in ("itl_s", "generate_p95_s", "embed_p95_s"):
@@ -164,8 +164,9 @@ class SloConfig:
 class SchedulerConfig:
     """Token budget per step and the policy that shares it."""
 
+    # token budget of one step: bounds a decode's inter-token time while serving; an offline run gains from more
     max_num_batched_tokens: int = 256
-    max_num_seqs: int = 64
+    max_num_seqs: int = 64  # requests in one step at most
     max_chunk_tokens: int = 256  # caps one request's chunk: bounds step latency
     policy: str = "orthrus"  # a name in engine/core/policies.py POLICIES
     min_share: float = 0.1  # orthrus: least share of the residual budget for a non-empty kind
@@ -176,9 +177,9 @@ class SchedulerConfig:
     # None (auto): on CUDA, where a decode step's weights reads leave slack for other rows; off on CPU, where a
     # step's time grows with every token (no slack: measured, the cap only cost throughput; docs/design/cost-model.md)
     cost_budget: bool | None = None
-    step_time_target: float | None = None
-    step_time_margin: float = 1.0
-    min_step_tokens: int = 32
+    step_time_target: float | None = None  # seconds a step with decodes may take; None: by step_time_margin
+    step_time_margin: float = 1.0  # with no target: a step may take the decodes' own time x (1 + this)
+    min_step_tokens: int = 32  # tokens a cost-sized step always has room for
     # bulk work (priority > 0: documents ingested while serving) beside serving work in a step: at most this many
     # budget tokens of it (the first bulk encoder input may overdraw it, as a lane's first may); None: all the
     # budget serving leaves. A step without serving work gives bulk the whole budget either way.
