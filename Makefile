@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast docs adapter bench bench-all clean peers
+.PHONY: install demo test test-fast test-bench docs adapter bench bench-all clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,12 +27,16 @@ demo: install
 # AVX2 flash attention asks oneDNN, which still sees AMX, to pack bf16 tiles, and raises)
 AVX2_ENV := ORTHRUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 test: install
-	$(PY) -m pytest -q
-	$(AVX2_ENV) $(PY) -m pytest -q -m "isa and not gpu"
+	$(PY) -m pytest -q -m "not bench"
+	$(AVX2_ENV) $(PY) -m pytest -q -m "isa and not gpu and not bench"
+
+# the tests of the benchmark and measuring scripts (scripts/): their harness, dry runs and report code
+test-bench: install
+	$(PY) -m pytest -q -m "bench and not gpu"
 
 # the edit-test loop: model-free tests only (under a minute); a test here that loads a model fails, naming `slow`
 test-fast: install
-	ORTHRUS_TEST_FAST=1 $(PY) -m pytest -q -m "not slow and not gpu"
+	ORTHRUS_TEST_FAST=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench"
 
 # the documentation site (mkdocs-material) into site/; --strict: a broken link, anchor or page fails the build
 docs: install

@@ -31,6 +31,7 @@ from orthrus_rag.pipelines.records import QARecord
 logger = logging.getLogger(__name__)
 RECORDS, STEPS, SUMMARY, CONFIG = "records.jsonl", "steps.jsonl", "summary.json", "config.yaml"
 RETRIED = "retried.jsonl"
+PLAN = "plan.json"  # what ran each part of the engine's steps (engine/executor/plan.py); rewritten per session
 
 
 class RunStoreError(RuntimeError):

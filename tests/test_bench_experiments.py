@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+pytestmark = [pytest.mark.slow, pytest.mark.bench]  # builds engines; tests the benchmark scripts (make test-bench)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "scripts" / "bench" / "conf"

@@ -16,7 +16,7 @@ from scripts.bench.driver import closed_loop, open_loop, summarize
 from scripts.bench.report import markdown_table, plot_latency_cdf, plot_step_mix, plot_throughput, write_json
 from scripts.bench.workloads import RequestSpec, Workload, fcfs_blocking, mixed_stream, poisson, three_phase
 
-pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+pytestmark = [pytest.mark.slow, pytest.mark.bench]  # builds engines; tests the benchmark harness (make test-bench)
 
 
 class FakeClient:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench  # tests the ingest benchmark script, not the product: make test-bench runs these
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["workload.words=8", "workload.max_tokens=4", "scheduler.max_num_batched_tokens=64",
         "scheduler.max_chunk_tokens=32", "cache.num_blocks=256", "threads.inproc=1", "threads.split=[1,1]"]

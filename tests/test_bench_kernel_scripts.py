@@ -13,7 +13,8 @@ from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.cpu_extension import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(kernels() is None, reason="the CPU extension cannot be built here")
+pytestmark = [pytest.mark.bench,  # tests benchmark scripts, not the product (make test-bench)
+              pytest.mark.skipif(kernels() is None, reason="the CPU extension cannot be built here")]
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,8 @@ import pytest
 
 from scripts.peers import vllm_core_bench as vcb
 
+pytestmark = pytest.mark.bench  # the vLLM peer side of the benchmarks, not the product: make test-bench
+
 
 def test_variants_parse_and_combine() -> None:
     assert vcb.parse_variants("default,eager,fp32") == ["default", "eager", "fp32"]

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 import pytest
 
-pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
+pytestmark = [pytest.mark.slow, pytest.mark.bench]  # builds engines; tests a profiling script (make test-bench)
 
 ROOT = Path(__file__).resolve().parents[1]
 

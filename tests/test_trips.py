@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench  # scripts/trips.py, a measuring script, not the product: make test-bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -27,6 +27,7 @@ from orthrus_rag.engine.clients.protocol import (
 )
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.engine import Engine, EngineLoop, StepFailed
+from orthrus_rag.engine.executor.plan import ExecutionPlan
 from orthrus_rag.machine import release_openmp_pool
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, StepStats
 from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, is_bulk
@@ -141,6 +142,11 @@ class AsyncEngine:
     @property
     def engine(self) -> Engine:
         return self._engine
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        """What runs each part of this engine's steps (a `PlanHolder`: engine/clients/protocol.py)."""
+        return self._engine.plan
 
     @property
     def num_in_flight(self) -> int:

@@ -29,6 +29,7 @@ from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.engine.executor.calibration import calibrate
+from orthrus_rag.engine.executor.plan import describe
 from orthrus_rag.engine.executor.runner import ModelRunner
 from orthrus_rag.engine.handoff import restore_generator
 from orthrus_rag.engine.text_io import InputProcessor, stream_text, update_output
@@ -80,6 +81,9 @@ class Engine:
             decode_margin=_sizes_steps_by_cost(config))
         self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len,
                                   min(self.eos_token_ids) if self.eos_token_ids else None)
+        # what each part of a step runs here, read from the loaded model and runner (engine/executor/plan.py)
+        self.plan = describe(self.runner, config.model.compile_elementwise)
+        logger.info("plan: %s", self.plan.summary())
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
         if self.scheduler.cost_model is not None:
             calibrate(self.runner, self.scheduler.cost_model, config.scheduler.max_num_batched_tokens)

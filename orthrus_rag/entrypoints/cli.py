@@ -96,7 +96,7 @@ def _hydra(command: str, argv: list[str]) -> int:
     if problem is not None:  # NOTE: before Hydra creates a run folder
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    overrides = _serve_overrides(argv) if command == "serve" else _resume_overrides(argv)
+    overrides = _serve_overrides(argv) if command in ("serve", "plan") else _resume_overrides(argv)
     sys.argv, saved = [f"orthrus-rag {command}", *overrides], sys.argv
     try:
         entry()
@@ -131,7 +131,8 @@ def _argv_problem(argv: list[str]) -> str | None:
 
 
 def _serve_overrides(argv: list[str]) -> list[str]:
-    """A server has no run folder: Hydra writes no `.hydra/` and no log file (its log goes to the terminal)."""
+    """A server (or `plan`) has no run folder: Hydra writes no `.hydra/` and no log file (its log goes to the
+    terminal)."""
     if _value(argv, "hydra.run.dir") is not None:
         return argv
     return [*argv, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
@@ -223,6 +224,13 @@ def _job_config(command: str, cfg):  # noqa: ANN001, ANN202 (DictConfigs)
 def _task(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
     from orthrus_rag.entrypoints import commands as app
 
+    if command == "plan":
+        from orthrus_rag.config.build import engine_config_from
+        from orthrus_rag.engine.engine import Engine
+
+        print(Engine.from_config(engine_config_from(cfg)).plan)
+        return EXIT_OK
+
     if command == "serve":
         from orthrus_rag.entrypoints.openai import serve
 
@@ -291,7 +299,7 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("run", "index", "serve"):
+    if argv and argv[0] in ("run", "index", "serve", "plan"):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         _quiet_third_party()
         return _hydra(argv[0], argv[1:])
@@ -310,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0: a table is reproducible)")
     p.add_argument("--level", type=float, default=0.95, help="the intervals' coverage (default 0.95)")
     sub.add_parser("serve", help="the OpenAI-compatible server (Hydra overrides follow)")
+    sub.add_parser("plan", help="load the engine a config builds and print its execution plan: what runs each part "
+                                "of a step here (Hydra overrides follow)")
     p = sub.add_parser("demo", help="generate and embed together on the built-in models")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--embedding-model", default=None,

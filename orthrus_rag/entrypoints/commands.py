@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from orthrus_rag.engine.clients.protocol import execution_plan
 from orthrus_rag.entrypoints.checks import validate
 from orthrus_rag.entrypoints.clients import build_client
 from orthrus_rag.entrypoints.embedding import build_embedder, on_encoder
@@ -295,6 +296,10 @@ def _run_session(cfg: Any, session: Any, closing: _Closing) -> None:
     if closing.client is None:
         closing.client = build_client(cfg)
     client = closing.client
+    from orthrus_rag.pipelines.run_store import PLAN
+
+    if (plan := execution_plan(client)) is not None:  # NOTE: a deployment's workers each have their own
+        session.store.write_atomic(PLAN, plan.dumps())
     retriever = None
     if cfg.pipeline.name != "no_retrieval":
         # NOTE: built before the async loop starts, so the corpus embeds with blocking calls

@@ -115,6 +115,20 @@ class BulkQuota(Protocol):
     def num_bulk_in_flight(self) -> int: ...
 
 
+@runtime_checkable
+class PlanHolder(Protocol):
+    """A client whose steps run in this process, so it can say what runs them (engine/executor/plan.py): only
+    `AsyncEngine`; a deployment's or a replica's engines each have their own."""
+
+    @property
+    def plan(self) -> Any: ...  # an ExecutionPlan
+
+
+def execution_plan(client: object) -> Any:
+    """The client's ExecutionPlan where its steps run in this process, else None."""
+    return client.plan if isinstance(client, PlanHolder) else None
+
+
 def refuse_inside_event_loop() -> None:
     """A blocking call from inside a running event loop would stall the loop it waits on."""
     try:

@@ -107,10 +107,10 @@ def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, 
             pack_linears(encoder, from_rows=from_rows)
     if torch.device(device).type != "cpu":
         return
-    # NOTE: one line for the choice; the per-shape timings behind it are at DEBUG (layers/linear.py)
+    # NOTE: the engine's plan line names the choice (engine/executor/plan.py); the timings behind it are at DEBUG
     why = (f" (oneDNN's packed bf16 path needs {ONEDNN_BF16_FLAGS})" if kernel == "auto" and dtype == torch.bfloat16
            and not onednn_available(dtype, device) else "")
-    logger.info("linear kernels (%s): %s%s", str(dtype).removeprefix("torch."), ", ".join(
+    logger.debug("linear kernels (%s): %s%s", str(dtype).removeprefix("torch."), ", ".join(
         f"{group} {'dense' if rows is None else f'oneDNN from {rows} row' + 's' * (rows > 1)}"
         for group, rows in chosen.items()), why)
 

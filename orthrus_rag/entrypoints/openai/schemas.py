@@ -175,6 +175,9 @@ class ModelCard(BaseModel):
     parent: str | None = None  # an adapter's base model (vLLM's field for a LoRA)
     # an embedding adapter's prefixes by input type ("query", "document"), applied by the server for `input_type`
     input_prefixes: dict[str, str] = Field(default_factory=dict)
+    # the base model's execution plan: what runs each part of a step (engine/executor/plan.py); None where the
+    # engine runs in other processes (a deployment, Ray replicas)
+    plan: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -23,6 +23,7 @@ from orthrus_rag.engine.clients.protocol import (
     EngineShutdown,
     EngineUnavailable,
     RequestAborted,
+    execution_plan,
 )
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
@@ -92,8 +93,10 @@ class OpenAIService:
 
     def _card(self, name: str) -> ModelCard:
         adapter = self.models.generators.get(name) or self.models.embedding.get(name)
+        plan = execution_plan(self.client) if name == self.models.generation else None
         return ModelCard(id=name, created=self.created, kinds=self.models.kinds(name),
-                         parent=self.space.model if adapter else None, input_prefixes=self._prefixes(name))
+                         parent=self.space.model if adapter else None, input_prefixes=self._prefixes(name),
+                         plan=plan.to_json() if plan is not None else None)
 
     def _prefixes(self, name: str) -> dict[str, str]:
         """The prefixes an embedding for `name` gets by input type: its adapter's card (the base model's name
