@@ -199,9 +199,8 @@ def token_count(model: str, texts: list[str], max_len: int) -> int:
 
 
 def _short_dtype(dtype: str) -> str:
-    """'auto' -> 'auto (bf16)'; a vLLM variant 'fp32 (float32)' -> 'fp32', 'default (float16)' -> 'default (fp16)'."""
-    if dtype == "auto":
-        return "auto (bf16)"
+    """A vLLM variant 'fp32 (float32)' -> 'fp32', 'default (float16)' -> 'default (fp16)'; 'auto' stays (what it
+    resolved to depends on the machine: the figure's caption names it)."""
     name, _, resolved = dtype.partition(" (")
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     resolved = short.get(resolved.rstrip(")"), resolved.rstrip(")"))

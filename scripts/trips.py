@@ -80,7 +80,6 @@ PROJECT_ROOTS = {"orthrus_rag": "orthrus_rag", "orthrus_rag.retrievers": "retrie
 TARGETS = {"chat": 22, "embedding": 16, "embedding-adapter": 16, "iter-retgen": 30}  # most project files a trip enters
 MAX_CLIMBS = 2
 TRIPS = ("chat", "embedding", "embedding-adapter", "iter-retgen")
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "2wikimultihopqa_dev_first200.jsonl"
 SETTLE_S = 0.3
 
 
@@ -556,7 +555,7 @@ def iter_retgen_trip(tracer: TripTracer, data: Path) -> Trip:
     return result[0]
 
 
-def run_trips(names: list[str], base: Path, data: Path) -> list[Trip]:
+def run_trips(names: list[str], base: Path, data: Path | None) -> list[Trip]:
     tree = ProjectTree(base)
     floor_of = tree.floors()
     trips: list[Trip] = []
@@ -588,10 +587,13 @@ def table(trips: list[Trip]) -> str:
 def main(argv: list[str] | None = None) -> list[Trip]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trip", choices=[*TRIPS, "all"], default="all")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="2WikiMultihopQA dev JSONL (iter-retgen)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="the 2WikiMultihopQA dev JSONL the iter-retgen trip asks its question from (needed there)")
     parser.add_argument("--tree", type=Path, default=None,
                         help="measure this checkout's orthrus_rag instead of the installed one (default: this repo)")
     args = parser.parse_args(argv)
+    if args.data is None and args.trip in ("all", "iter-retgen"):
+        parser.error("the iter-retgen trip asks a 2WikiMultihopQA question: give --data dev.jsonl")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     base = (args.tree or REPO).resolve()
@@ -602,7 +604,8 @@ def main(argv: list[str] | None = None) -> list[Trip]:
     if not Path(orthrus_rag.__file__).resolve().is_relative_to(base):
         raise SystemExit(f"orthrus_rag imports from {orthrus_rag.__file__}, not from {base}")
     logger.info("measuring %s", describe_tree(base))
-    trips = run_trips(list(TRIPS) if args.trip == "all" else [args.trip], base, args.data.resolve())
+    trips = run_trips(list(TRIPS) if args.trip == "all" else [args.trip], base,
+                      args.data.resolve() if args.data is not None else None)
     for t in trips:
         print(json.dumps(t.as_json()), flush=True)
     print(table(trips), flush=True)

@@ -1,5 +1,5 @@
-"""Every `orthrus-rag run`, `index` and `serve` command the docs show composes against the app's config: a typo'd
-key, a removed option or a wrong group option in README.md or docs/**.md fails here, naming the doc line.
+"""Every `orthrus-rag run`, `index`, `serve` and `plan` command the docs show composes against the app's config: a
+typo'd key, a removed option or a wrong group option in README.md or docs/**.md fails here, naming the doc line.
 
 The commands come from the shell and text blocks (continuation lines joined, trailing comments, a `$ ` prompt,
 leading `VAR=value` environment settings and a trailing `&` dropped) and from the inline code spans of the prose.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
 SHELL_BLOCKS = {"bash", "console", "shell", "sh", "zsh", "text", ""}
-COMMAND = re.compile(r"^orthrus-rag\s+(run|index|serve)\b")
+COMMAND = re.compile(r"^orthrus-rag\s+(run|index|serve|plan)\b")
 # Hydra's own flags: what they take, and that they change nothing in the composed config
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
 HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--resolve", "--version"}
@@ -248,7 +248,7 @@ def test_the_docs_show_commands():
     where = {w.split(":")[0] for w, _ in COMMANDS}
     assert {"README.md", "docs/usage/runs.md", "docs/usage/corpus.md", "docs/serving/openai.md"} <= where
     subs = {c.split()[1] for _, c in COMMANDS}
-    assert subs == {"run", "index", "serve"}
+    assert subs == {"run", "index", "serve", "plan"}
     assert len(COMMANDS) >= 80, len(COMMANDS)
     assert not KNOWN_BROKEN - {c for _, c in COMMANDS}, "KNOWN_BROKEN names commands the docs no longer show"
 

@@ -56,7 +56,7 @@ def test_the_default_models_plan_follows_this_cpus_instruction_set():
         width = "AVX-512" if isa == "avx512" else "AVX2"
         assert decode.choice == "C++ kernel, generic body" and not decode.needs
         assert prefill.choice == f"C++ kernel, fp32 body ({width} width)" and not prefill.needs
-        assert encoder.choice == "C++ kernel, fp32 body"
+        assert encoder.choice == f"C++ kernel, fp32 body ({width} width)"
     assert "amx" not in plan.summary() or isa == "amx"
 
 

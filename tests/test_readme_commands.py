@@ -87,12 +87,13 @@ def test_the_server_quick_start_answers_the_openai_client(workdir):
     serve = next(c for c in _commands() if c.endswith("&"))
     port = _free_port()
     argv = shlex.split(serve.removesuffix("&").replace("serve.port=8000", f"serve.port={port}"))
+    log = (workdir / "server.log").open("w")  # NOTE: a file, not a pipe nobody reads while the server runs
     server = subprocess.Popen([CLI, *argv[1:]], cwd=workdir, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
         while True:
-            assert server.poll() is None, f"the server exited: {server.stderr.read()[-3000:]}"
+            assert server.poll() is None, f"the server exited: {(workdir / 'server.log').read_text()[-3000:]}"
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
@@ -106,6 +107,7 @@ def test_the_server_quick_start_answers_the_openai_client(workdir):
     finally:
         server.terminate()
         server.wait(timeout=60)
+        log.close()
 
 
 def test_the_langchain_quick_start_runs(workdir):

@@ -96,7 +96,7 @@ def _hydra(command: str, argv: list[str]) -> int:
     if problem is not None:  # NOTE: before Hydra creates a run folder
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    overrides = _serve_overrides(argv) if command in ("serve", "plan") else _resume_overrides(argv)
+    overrides = {"serve": _serve_overrides, "plan": _plan_overrides}.get(command, _resume_overrides)(argv)
     sys.argv, saved = [f"orthrus-rag {command}", *overrides], sys.argv
     try:
         entry()
@@ -131,10 +131,14 @@ def _argv_problem(argv: list[str]) -> str | None:
 
 
 def _serve_overrides(argv: list[str]) -> list[str]:
-    """A server (or `plan`) has no run folder: Hydra writes no `.hydra/` and no log file (its log goes to the
-    terminal)."""
+    """A server has no run folder: Hydra writes no `.hydra/` and no log file (its log goes to the terminal)."""
     if _value(argv, "hydra.run.dir") is not None:
         return argv
+    return [*argv, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def _plan_overrides(argv: list[str]) -> list[str]:
+    """`plan` writes no folder and prints the plan alone on stdout (its log stays on stderr: `> plan.txt` works)."""
     return [*argv, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
@@ -227,6 +231,10 @@ def _task(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
     if command == "plan":
         from orthrus_rag.config.build import engine_config_from
         from orthrus_rag.engine.engine import Engine
+
+        for handler in logging.getLogger().handlers:  # NOTE: the log on stderr, the plan alone on stdout
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
 
         print(Engine.from_config(engine_config_from(cfg)).plan)
         return EXIT_OK

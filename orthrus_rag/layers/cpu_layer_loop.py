@@ -121,6 +121,28 @@ class LayerLoop:
         self._parts = (SplitParts(model, threads) if self.split and self.packed and threads > 1
                        and linear.blocked_packing() else None)
 
+    def _ensure_gathered(self) -> None:
+        """The arguments, gathered again if packing, adapters, LoRA settings or (with the split) threads changed."""
+        built_for = (linear.GENERATION[0], lora_fused.GENERATION[0], torch.get_num_threads() if self.split else 0)
+        if self._built_for != built_for:
+            self._gather()
+            self._built_for = built_for
+
+    def describe(self, attn_backend: object) -> str | None:
+        """What the loop takes of a step with `attn_backend`, for the execution plan (engine/executor/plan.py): None
+        where no step can take it (a backend without a kernel plan, or weights it cannot read), else its form."""
+        if getattr(attn_backend, "kernel_plan", None) is None:
+            return None
+        self._ensure_gathered()
+        if self._weights is None:
+            return None
+        out = "C++ layer loop"
+        if self._parts is not None:
+            out += f", column split from {max(self.split_from, self.packed_from)} rows"
+        if not self._adapters_ok:
+            out += "; steps with adapter rows in the Python loop"
+        return out
+
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor | None:
         """Every layer on `h` (the first layer's normed input) and `residual` (updated in place), as
@@ -133,10 +155,7 @@ class LayerLoop:
         plan = kernel_plan(ctx.attn) if kernel_plan is not None else None
         if plan is None:
             return None
-        built_for = (linear.GENERATION[0], lora_fused.GENERATION[0], torch.get_num_threads() if self.split else 0)
-        if self._built_for != built_for:
-            self._gather()
-            self._built_for = built_for
+        self._ensure_gathered()
         if ctx.lora_rows and not self._adapters_ok:
             return None
         if (self._weights is None or self._weights[0].dtype != h.dtype or len(ctx.kv_caches) != len(self.windows)

@@ -65,13 +65,14 @@ class ExecutionPlan:
 
     def __str__(self) -> str:
         width = max(len(c.part) for c in [*self.cells, Cell("device", "")])
-        lines = [f"{'device':<{width}}  {self.device} ({self.isa}), {self.dtype}, {self.threads} threads"]
+        lines = [f"{'device':<{width}}  {self.summary().split('; ')[0]}"]
         lines += [f"{c.part:<{width}}  {c.choice}" + (f"  [needs {c.needs}]" if c.needs else "") for c in self.cells]
         return "\n".join(lines)
 
 
 def cpu_isa() -> str:
-    """The widest instruction set the CPU kernels use here, as `machine.cpu_flags` reads the CPU."""
+    """The CPU's widest instruction set, as `machine.cpu_flags` reads it (which bodies the kernels build for it
+    is each cell's own: the AMX body also needs a compiler and an OS that allow it)."""
     flags = machine.cpu_flags()
     if "amx_bf16" in flags:
         return "amx"
@@ -103,32 +104,31 @@ def _linear_choice(module: torch.nn.Module | None, group: str) -> str:
     return f"{group} dense" if packed is None else f"{group} oneDNN from {_rows(packed_from(packed))}"
 
 
-def _layers_cell(model: torch.nn.Module, device: torch.device, compiled: bool) -> Cell:
-    from orthrus_rag.layers import linear
-    from orthrus_rag.layers.cpu_layer_split import SPLIT_FROM
+def _layers_cell(runner: Any, device: torch.device, compiled: bool) -> Cell:
+    from orthrus_rag.layers import cpu_elementwise
 
-    inner = getattr(model, "model", model)
+    inner = getattr(runner.model, "model", runner.model)
     if device.type == "cuda":
         return Cell("layers", "Python loop of torch ops" + (", rotary and SiLU-mul compiled" if compiled else ""),
                     "cuda")
     loop = getattr(inner, "layer_loop", None)
-    if loop is not None:
-        qkv = inner.layers[0].self_attn.fusions["qkv"].carrier
-        packed = hasattr(qkv, "_onednn")
-        split = loop.split and packed and torch.get_num_threads() > 1 and linear.blocked_packing()
-        from_rows = max(SPLIT_FROM, linear.packed_from(qkv) if packed else 0)
-        return Cell("layers", "C++ layer loop" + (f", column split from {_rows(from_rows)}" if split else ""))
+    if loop is not None and (form := loop.describe(runner.attn_backend)) is not None:
+        return Cell("layers", form)
     if getattr(inner, "fused_norms", False):
         return Cell("layers", "Python loop of the fused C++ kernels")
+    attn = runner.model.attention_layers[0]
+    if attn.rotary is cpu_elementwise.rotary:  # NOTE: norms that do not fuse (Gemma 3's, full-delta adapters')
+        return Cell("layers", "Python loop; rotary and SiLU-mul as C++ kernels")
     return Cell("layers", "Python loop of torch ops")
 
 
 def _attention_cells(runner: Any, dtype: torch.dtype, device: torch.device) -> list[Cell]:
     from orthrus_rag.layers.attention import grouped, reference, varlen
-    from orthrus_rag.layers.attention.cpu_prefill import AMX_SHORT_KEYS, amx_body, prefill_kernel_runs
+    from orthrus_rag.layers.attention.cpu_kernels import decode_bf16_body
+    from orthrus_rag.layers.attention.cpu_prefill import AMX_SHORT_KEYS, amx_body
 
     attn = runner.model.attention_layers[0]
-    head_dim, group = attn.head_dim, attn.num_heads // attn.num_kv_heads
+    head_dim = attn.head_dim
     backend = runner.attn_backend
     if backend is varlen:
         graphs = ", decode-only steps as CUDA graphs" if runner.decode_graphs is not None else ""
@@ -140,8 +140,7 @@ def _attention_cells(runner: Any, dtype: torch.dtype, device: torch.device) -> l
     assert backend is grouped
     cuda = "cuda" if device.type == "cuda" else ""
     if runner.decode_kernel:
-        fast = (dtype == torch.bfloat16 and prefill_kernel_runs(torch.bfloat16, 32) and head_dim in (64, 128, 256)
-                and group <= 8)
+        fast = dtype == torch.bfloat16 and decode_bf16_body(attn.num_heads, attn.num_kv_heads, head_dim)
         decode = Cell("decode attention", "C++ kernel, AVX512-BF16 body" if fast else "C++ kernel, generic body",
                       "avx512_bf16" if fast else "")
     else:
@@ -170,7 +169,8 @@ def _encoder_cell(encoder: torch.nn.Module, dtype: torch.dtype) -> Cell:
     head_dim = encoder.config.hidden_size // encoder.config.num_attention_heads
     if device.type == "cpu" and encoder.cpu_attention_kernel and prefill_kernel_available(dtype, head_dim):
         if dtype == torch.float32:
-            return Cell("encoder attention", "C++ kernel, fp32 body")
+            width = "AVX-512" if "avx512f" in machine.cpu_flags() else "AVX2"
+            return Cell("encoder attention", f"C++ kernel, fp32 body ({width} width)")
         return (Cell("encoder attention", "C++ kernel, AMX body", "amx") if amx_body()
                 else Cell("encoder attention", "C++ kernel, AVX512-BF16 body", "avx512_bf16"))
     return Cell("encoder attention", "SDPA per sequence", "cuda" if device.type == "cuda" else "")
@@ -194,7 +194,7 @@ def describe(runner: Any, compiled_elementwise: bool = False) -> ExecutionPlan:
     """The plan of a built runner (engine/executor/runner.py): what each part of its steps runs."""
     model, device = runner.model, torch.device(runner.device)
     dtype = next(model.parameters()).dtype
-    cells = [_layers_cell(model, device, compiled_elementwise)]
+    cells = [_layers_cell(runner, device, compiled_elementwise)]
     if device.type == "cpu":
         head = getattr(model, "lm_head", None)
         groups = [_linear_choice(model.model, "layers"), _linear_choice(head, "LM head")]

@@ -35,6 +35,11 @@ def decode_kernel_available() -> bool:
     return kernels() is not None
 
 
+def decode_bf16_body(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether bf16 decodes of these heads take the kernel's AVX512-BF16 path here (the build's own rule)."""
+    return kernels() is not None and bool(kernels().decode_attention_bf16_body(num_heads, num_kv_heads, head_dim))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int | None, generic: bool = False) -> torch.Tensor:
     """q [B, H, D] against each sequence's keys `key_slots[b, :seq_lens[b]]` in the paged caches; [B, H, D].

@@ -264,6 +264,17 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 }  // namespace decode_fast
 #endif
 
+// Whether bf16 decodes with H query heads, KVH KV heads and head size D take the AVX512-BF16 path in this build
+// (the execution plan names the body: engine/executor/plan.py).
+bool decode_attention_bf16_body(int64_t H, int64_t KVH, int64_t D) {
+#if defined(__AVX512BF16__)
+  return decode_fast::covers(H, KVH, D);
+#else
+  (void)H, (void)KVH, (void)D;
+  return false;
+#endif
+}
+
 // q [B, H, D] (rows may be strided); returns [B, H, D] in q's dtype, computed in the caches'. `generic`: the first
 // path even where the AVX512-BF16 one covers the shapes (for its tests and benchmark).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -9,6 +9,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", torch::wrap_pybind_function(decode_attention), "decode_attention");
+  m.def("decode_attention_bf16_body", torch::wrap_pybind_function(decode_attention_bf16_body),
+        "decode_attention_bf16_body");
   m.def("write_kv", torch::wrap_pybind_function(write_kv), "write_kv");
   m.def("prefill_attention", torch::wrap_pybind_function(prefill_attention), "prefill_attention");
   m.def("encoder_attention", torch::wrap_pybind_function(encoder_attention), "encoder_attention");

@@ -20,10 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from orthrus_rag.engine.clients import SYSTEMS
 
-# NOTE: absolute imports (scripts/ on sys.path), so scripts/bench/report.py can load this file by path too
-from bench.harness import ROOT, peer_python
-from bench.peer_client import PEERS
-from bench.report import _fmt, _plt, _save, write_json
+from ..harness import ROOT, peer_python
+from ..peer_client import PEERS
+from ..report import _fmt, _plt, _save, write_json
 
 logger = logging.getLogger(__name__)
 # bench.yaml's nodes that every system's `orthrus-rag run` shares, key by key (they are the CLI's nodes); the model
