@@ -52,10 +52,7 @@ class Step:
                        for _ in model.attention_layers]
         self.meta = build_metadata(q_lens, ctx, tables, [True] * len(q_lens), BLOCK, slots, torch.device("cpu"))
         self.meta.decode_kernel = True
-        # NOTE: as the runner chooses (runner.py): on AMX in bf16 without the kernel's AMX body, the kernel only for
-        # steps of short chunks
-        self.meta.prefill_kernel = cpu_prefill.prefill_kernel_available(dtype, att.head_dim) or (
-            cpu_prefill.short_chunks_kernel(dtype, att.head_dim) and cpu_prefill.short_chunks(q_lens, ctx))
+        self.meta.prefill_kernel = cpu_prefill.prefill_kernel_available(dtype, att.head_dim)  # as the runner chooses
         self.meta.plan = grouped.plan(self.meta, {a.window for a in model.attention_layers})
         torch.manual_seed(0)
         self.ids = torch.randint(0, model.lm_head.weight.shape[0], (rows,))

@@ -191,40 +191,21 @@ def test_the_amx_body_runs_wherever_the_cpu_has_amx():
             is cpu_prefill.prefill_kernel_runs(torch.bfloat16, 64))
 
 
-def test_bf16_on_amx_attends_steps_of_short_chunks_on_the_kernel(monkeypatch):
-    """Without the AMX body, where every chunk of a step attends at most AMX_SHORT_KEYS keys, bf16 on AMX takes the
-    kernel (and so the C++ layer loop): steps of 45- to 224-token backbone embeddings ran 1.09-1.30x faster than on
-    SDPA on an AMX Xeon core; a 256-token chunk, or one after a cached prefix, keeps SDPA."""
+def test_bf16_on_amx_without_the_amx_body_keeps_sdpa(monkeypatch):
+    """Where the AMX body cannot run on an AMX CPU (a compiler without AMX-BF16, the tile state refused), bf16
+    chunks keep torch's SDPA, which runs on AMX tiles there, and the plan says so."""
     from orthrus_rag import Engine, machine
-    from orthrus_rag.params import SamplingParams
     from tests.conftest import SMOL, engine_overrides
 
     _needs_bf16_kernel()
     flags = machine._proc_flags()
     monkeypatch.setattr(machine, "_proc_flags", lambda: flags | {"amx_bf16", "amx_tile"})
-    monkeypatch.setattr(cpu_prefill, "amx_body", lambda: False)  # NOTE: the rule of a CPU without the AMX body
-    assert cpu_prefill.short_chunks_kernel(torch.bfloat16, 64)
-    assert not cpu_prefill.short_chunks_kernel(torch.float32, 64)
-    assert cpu_prefill.short_chunks([45, 1, 224], [0, 300, 0])  # a decode's long context does not count
-    assert not cpu_prefill.short_chunks([64, 8], [448, 0]) and not cpu_prefill.short_chunks([256], [0])
-    eng = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16", max_num_batched_tokens=256,
-                                                          max_chunk_tokens=256))
-    assert not eng.runner.prefill_kernel and eng.runner.short_chunks_kernel
-    seen = []
-    real = grouped.plan
-
-    def plan(meta, windows):
-        out = real(meta, windows)
-        seen.append((max(c + q for q, c in zip(meta.query_lens, meta.context_lens)), out.chunks is not None))
-        return out
-
-    monkeypatch.setattr(grouped, "plan", plan)
-    eng.embed([list(range(100, 145)), list(range(200, 300))])
-    eng.generate([list(range(300, 600))], SamplingParams(max_tokens=1, ignore_eos=True))
-    assert seen == [(100, True), (256, False), (300, False)], seen
-    # without AMX no step-by-step rule: the kernel takes every chunk there (or none)
-    monkeypatch.setattr(machine, "_proc_flags", lambda: flags - {"amx_bf16", "amx_tile", "amx_int8"})
-    assert not cpu_prefill.short_chunks_kernel(torch.bfloat16, 64)
+    monkeypatch.setattr(cpu_prefill, "amx_body", lambda: False)
+    assert not cpu_prefill.prefill_kernel_available(torch.bfloat16, 64)
+    assert cpu_prefill.prefill_kernel_available(torch.float32, 64)
+    eng = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16"))
+    assert not eng.runner.prefill_kernel
+    assert eng.plan.cell("prefill attention").choice == "SDPA over padded groups"
 
 
 def _packed_sdpa(q, k, v, lens):

@@ -125,7 +125,7 @@ def _layers_cell(runner: Any, device: torch.device, compiled: bool) -> Cell:
 def _attention_cells(runner: Any, dtype: torch.dtype, device: torch.device) -> list[Cell]:
     from orthrus_rag.layers.attention import grouped, reference, varlen
     from orthrus_rag.layers.attention.cpu_kernels import decode_bf16_body
-    from orthrus_rag.layers.attention.cpu_prefill import AMX_SHORT_KEYS, amx_body
+    from orthrus_rag.layers.attention.cpu_prefill import amx_body
 
     attn = runner.model.attention_layers[0]
     head_dim = attn.head_dim
@@ -154,9 +154,6 @@ def _attention_cells(runner: Any, dtype: torch.dtype, device: torch.device) -> l
             prefill = Cell("prefill attention", "C++ kernel, AMX body", "amx")
         else:
             prefill = Cell("prefill attention", "C++ kernel, AVX512-BF16 body", "avx512_bf16")
-    elif runner.short_chunks_kernel:
-        prefill = Cell("prefill attention", f"SDPA; the C++ kernel in steps of chunks of at most {AMX_SHORT_KEYS} "
-                       "keys", "amx")
     else:
         prefill = Cell("prefill attention", "SDPA over padded groups", cuda)
     return [decode, prefill]

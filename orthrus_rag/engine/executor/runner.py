@@ -21,7 +21,7 @@ from orthrus_rag.engine.core.scheduler import SchedulerOutput
 from orthrus_rag.engine.executor.cuda_graphs import DecodeGraphs
 from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, grouped, select_backend
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
-from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_available, short_chunks, short_chunks_kernel
+from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_available
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.lora import flat_lora_rows
@@ -84,11 +84,10 @@ class ModelRunner:
         self.decode_kernel = (mc.cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                               and decode_kernel_available())
         # CPU, fp32, or bf16 on AVX512-BF16 (on AMX, the kernel's AMX body): prompt and embedding chunks attend in a
-        # C++ kernel (attention/cpu_prefill.py); bf16 on AMX without that body: only in steps whose chunks are all short
+        # C++ kernel (attention/cpu_prefill.py); bf16 on AMX without that body keeps SDPA, which runs on AMX tiles
         head_dim = model.attention_layers[0].head_dim
-        kernel_here = mc.cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
-        self.prefill_kernel = kernel_here and prefill_kernel_available(dtype, head_dim)
-        self.short_chunks_kernel = kernel_here and short_chunks_kernel(dtype, head_dim)
+        self.prefill_kernel = (mc.cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
+                               and prefill_kernel_available(dtype, head_dim))
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
         if mc.cuda_graphs and device.type == "cuda":
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.windows, self.num_slots,
@@ -138,8 +137,7 @@ class ModelRunner:
                              "(max_num_batched_tokens)")
         meta = build_metadata(query_lens, context_lens, tables, keeps, self.block_size, self.num_slots, self.device)
         meta.decode_kernel = self.decode_kernel
-        meta.prefill_kernel = self.prefill_kernel or (self.short_chunks_kernel
-                                                      and short_chunks(query_lens, context_lens))
+        meta.prefill_kernel = self.prefill_kernel
         lora = [(slot, torch.tensor([r for rng in ranges for r in rng], dtype=torch.long, device=self.device))
                 for slot, ranges in sorted(lora_rows.items())]
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta, lora

@@ -28,10 +28,9 @@ its own blocks for AMX through oneDNN's brgemm) on a 256-token chunk after 2,048
 here: the build targets AMX-BF16 (a compiler that knows AMX) and Linux granted the process the tile state
 (`arch_prctl`, which oneDNN requests too).
 
-Without that body, bf16 on AMX keeps SDPA, which ran 1.7-2.9x the AVX512-BF16 body there, except in steps whose every
-chunk is short (`short_chunks`: at most `AMX_SHORT_KEYS` keys), where the kernel spares SDPA's per-call set-up
-(measured on an Intel Xeon with AMX, one core: docs/design/cpu-kernels.md). That rule still holds where the AMX body
-cannot run (a compiler without AMX-BF16, or the OS refused the tile state). `prefill_kernel_runs` says whether the
+Without that body (a compiler without AMX-BF16, or the OS refused the tile state), bf16 on AMX keeps SDPA, which runs
+on AMX tiles there and ran 1.7-2.9x the AVX512-BF16 body (measured on an Intel Xeon with AMX, one core:
+docs/design/cpu-kernels.md). `prefill_kernel_runs` says whether the
 kernel can run here (its tests and benchmark); `prefill_kernel_available`, whether the engine takes it.
 """
 
@@ -85,24 +84,6 @@ def avx512_bf16_body() -> Iterator[None]:
         yield
     finally:
         kernels().prefill_attention_use_amx(was)
-
-
-# the longest chunk (cached keys + new tokens) of a step that bf16 on AMX attends on the kernel: measured in the
-# engine on one AMX Xeon core, steps of 224-key embeddings ran 1.09x faster on the kernel, of one 256-token
-# chunk 1.08x slower
-AMX_SHORT_KEYS = 224
-
-
-def short_chunks_kernel(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the engine takes the kernel for steps of short chunks only (`short_chunks`) though not for all: bf16
-    on AMX without the AMX body, where the kernel runs."""
-    return sdpa_runs_on_amx(dtype) and prefill_kernel_runs(dtype, head_dim)
-
-
-def short_chunks(query_lens: list[int], context_lens: list[int]) -> bool:
-    """Whether every chunk of a step (a sequence with more than one new token) attends at most `AMX_SHORT_KEYS`
-    keys."""
-    return all(c + q <= AMX_SHORT_KEYS for q, c in zip(query_lens, context_lens) if q > 1)
 
 
 def prefill_kernel_available(dtype: torch.dtype, head_dim: int) -> bool:
