@@ -215,7 +215,7 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
     scripts/bench/report.py): passages/s of each system and dtype, one panel per model, from the JSON lines'
     fields (`results["results"]["rows"]`; rows with `"run"` > 1 are repeats and are left out of the plot)."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench.report import _plt, _save, caption
+    from bench.report import _plt, _save, caption, style_bars
 
     rows = [r for r in results["results"]["rows"] if r.get("run", 1) == 1]
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -231,8 +231,7 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
         ax.set_xticks(range(len(mine)), labels, fontsize=7, rotation=30, ha="right")
         name = "all-MiniLM-L6-v2" if model == "minilm" else "SmolLM2-135M + smollm2_embed"
         ax.set(title=f"{name} ({mine[0]['passages']:,} passages)", ylabel="passages/s")
-        ax.title.set_fontsize(9)
-        ax.grid(axis="y", alpha=0.3)
+        style_bars(ax)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SYSTEM_COLORS.values()]
     axes[0][0].legend(handles, ["orthrus (the engine)", "sentence-transformers, batch 32", "vLLM pooling runner"],
                       fontsize=7, loc="upper right")

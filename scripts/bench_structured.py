@@ -31,7 +31,7 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench.report import _plt, _save, caption
+    from bench.report import _plt, _save, caption, style_bars
 
     rows = sorted(results["results"]["rows"], key=lambda r: r["constrained_fraction"])
     labels = [f"{r['constrained_fraction']:.0%}" for r in rows]
@@ -43,9 +43,7 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
     bars = ax_s.bar(labels, [r["decode_step_ms_median"] for r in rows], color="tab:orange")
     ax_s.bar_label(bars, [f"{r['decode_step_ms_median']:g}" for r in rows], fontsize=7)
     ax_s.set(title="median decode step", xlabel="generations under a JSON schema", ylabel="ms")
-    for ax in (ax_t, ax_s):
-        ax.title.set_fontsize(9)
-        ax.grid(axis="y", alpha=0.3)
+    style_bars(ax_t, ax_s)
     fig.suptitle("Structured outputs in a mixed load (40 generations, 80 embeddings)", fontsize=10)
     caption(fig, results["machine"], results.get("measured"))
     return [_save(fig, Path(out_dir) / results["plots"][0])]

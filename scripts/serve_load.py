@@ -175,7 +175,7 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench.report import _plt, _save, caption
+    from bench.report import _plt, _save, caption, style_bars
 
     runs = results["results"]["runs"]
     labels = [r.get("label", str(i)).replace(", ", ",\n") for i, r in enumerate(runs)]
@@ -197,10 +197,7 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
                  label=name)
     ax_l.set_xticks(x, labels, fontsize=7)
     ax_l.set(title="latency", ylabel="seconds")
-    for ax in (ax_t, ax_l):
-        ax.title.set_fontsize(9)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+    style_bars(ax_t, ax_l, legend=True)
     clients = {r.get("clients") for r in runs}
     fig.suptitle(f"The OpenAI-compatible server under load ({'/'.join(map(str, sorted(clients)))} closed-loop "
                  "clients, half embeddings, half streamed chats)", fontsize=9)

@@ -22,7 +22,7 @@ from orthrus_rag.engine.clients import SYSTEMS
 
 from ..harness import ROOT, peer_python
 from ..peer_client import PEERS
-from ..report import _fmt, _plt, _save, write_json
+from ..report import _fmt, _plt, _save, style_bars, write_json
 
 logger = logging.getLogger(__name__)
 # bench.yaml's nodes that every system's `orthrus-rag run` shares, key by key (they are the CLI's nodes); the model
@@ -220,8 +220,7 @@ def _plot_methods(plt, by_method: dict[str, dict[str, dict]]):
                              (ax_p, "p99 latency per question", "seconds")):
         ax.set_xticks(x, [m.replace("_", " ") for m in methods], fontsize=8)
         ax.set(title=title, ylabel=label)
-        ax.title.set_fontsize(9)
-        ax.grid(axis="y", alpha=0.3)
+        style_bars(ax)
     ax_q.legend(fontsize=7, loc="upper right")
     fig.suptitle("RAG methods on 2WikiMultihopQA-200, every question in flight", fontsize=10)
     return fig
@@ -245,8 +244,5 @@ def _plot_quality(plt, body: dict):
              for n in names]
     ax_e.set_xticks(x, short, fontsize=7)
     ax_e.set(title="Supporting-paragraph recall by embedding", ylabel="recall (0-1)")
-    for ax in (ax_a, ax_e):
-        ax.title.set_fontsize(9)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+    style_bars(ax_a, ax_e, legend=True)
     return fig
