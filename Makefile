@@ -51,7 +51,7 @@ adapter: install
 bench: install
 	$(PY) scripts/bench_engine.py
 
-# every experiment of the paper (scripts/bench/conf/experiment/), the vLLM peer included when `make peers` ran
+# every experiment of the paper (scripts/bench/experiments/), the vLLM peer included when `make peers` ran
 BENCH_EXPERIMENTS ?= chunk_equivalence ratio_sweep three_phase fcfs_blocking poisson iter_retgen
 bench-all: install
 	for e in $(BENCH_EXPERIMENTS); do $(PY) scripts/benchmark.py experiment=$$e || exit 1; done

@@ -40,7 +40,7 @@ def release_free_memory() -> bool:
     return True
 
 
-# NOTE: measured with a 1,024-passage-shard probe (scripts/probe_index_memory.py, MiniLM, bf16 and fp32): resident
+# NOTE: measured by building 1,024-passage shards with MiniLM (bf16 and fp32) and reading resident memory: resident
 # memory after each shard's trim grew ~16 MB a shard with both caches at their defaults, ~8 MB with oneDNN's
 # alone at 0, and not at all with both off, at the same passages/s (a 4,096-token step's GEMMs dwarf building
 # their primitives); docs/benchmarks/corpus-embedding.md

@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--embed-count", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=parse_option,
-                    help="an engine option (e.g. cpu_decode_kernel=false); repeatable")
+                    help='an engine option (e.g. kernels=torch, or kernel_overrides={"decode_attention": "sdpa"}); '
+                         'repeatable')
     ap.add_argument("--sections", nargs="+", choices=("prefill", "decode", "embed"), default=["prefill", "decode",
                                                                                             "embed"])
     ap.add_argument("--skip-transformers", action="store_true", help="measure the engine only")

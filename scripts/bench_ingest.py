@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `bench` is scripts/bench/
 
 from bench.driver import closed_loop, summarize  # noqa: E402
-from bench.harness import Session, system_factory, warm_up, workload  # noqa: E402
+from bench.harness import Session, register_experiments, system_factory, warm_up, workload  # noqa: E402
 from bench.workloads import mixed_stream  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -245,6 +245,7 @@ def bench_config(args: argparse.Namespace) -> DictConfig:
 
     overrides = ["experiment=ratio_sweep", f"++model.embedding_model={args.embedding_model}",
                  f"++model.dtype={args.dtype}", *args.override]
+    register_experiments()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("bench", overrides=overrides)
 

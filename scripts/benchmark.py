@@ -1,4 +1,6 @@
-"""One command per benchmark experiment of the paper, Hydra-configured (scripts/bench/conf/):
+"""Run one benchmark experiment of the paper (every system and peer through the same load driver) and write its
+report: results.json, table.md and the plots. Hydra-configured: scripts/bench/conf/bench.yaml holds the shared
+settings, each experiment module's CONFIG (scripts/bench/experiments/<name>.py) its own.
 
     python scripts/benchmark.py experiment=ratio_sweep        # -> runs/bench/ratio_sweep/{results.json,table.md,*.png}
     python scripts/benchmark.py experiment=three_phase
@@ -28,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `bench` is scripts/bench/
 
 import hydra  # noqa: E402
-from bench.harness import run_experiment  # noqa: E402
+from bench.harness import register_experiments, run_experiment  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 logger = logging.getLogger("benchmark")
@@ -61,4 +63,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":  # NOTE: deployments spawn worker processes, which re-import this module
+    register_experiments()
     main()

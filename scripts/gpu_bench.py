@@ -164,7 +164,8 @@ def engine(model: CausalLM, tokenizer: Any, args: argparse.Namespace, dtype: str
            budget: int | None = None, graphs: bool = True, **scheduler: Any) -> Engine:
     """`scheduler`: more SchedulerConfig fields (e.g. bulk_step_tokens)."""
     budget = budget or args.budget
-    cfg = EngineConfig(model=ModelConfig(name="random", dtype=dtype, device=args.device, cuda_graphs=graphs),
+    cfg = EngineConfig(model=ModelConfig(name="random", dtype=dtype, device=args.device,
+                                         kernel_overrides={} if graphs else {"cuda_graphs": "off"}),
                        cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
                        scheduler=SchedulerConfig(**{"max_num_batched_tokens": budget,
                                                     "max_chunk_tokens": min(budget, 2048), "max_num_seqs": 256,

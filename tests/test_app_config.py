@@ -124,7 +124,9 @@ def test_deploy_groups_compose_beside_any_scheduler():
 
 @pytest.mark.parametrize("override,message", [
     ("model.dtype=float8", "model: unknown dtype 'float8'"),
-    ("model.linear_kernel=fast", "model: unknown linear_kernel 'fast'"),
+    ("model.kernels=fast", "model: unknown kernels 'fast'; expected auto or torch"),
+    ("+model.kernel_overrides.layers=fast",
+     "model: kernel_overrides: unknown choice 'fast' for layers; expected auto, split"),
     ("cache.block_size=0", "cache: block_size and num_blocks must be positive"),
     ("cache.kv_cache_gib=0", "cache: kv_cache_gib must be positive"),
     ("scheduler.min_share=0.9", "scheduler: min_share must be in"),
@@ -150,7 +152,7 @@ def test_a_wrong_type_in_an_engine_node_fails_at_compose_time():
 # a run folder's config.yaml as written before the engine's dataclasses became the nodes
 OLD_SAVED = """
 model: {name: smollm2-135m-instruct, embedding_model: null, embedding_adapter: ADAPTER, dtype: auto, device: cpu,
-        num_threads: 2, linear_kernel: dense, attention_backend: auto}
+        num_threads: 2, linear_kernel: dense, attention_backend: auto, cpu_decode_kernel: false, cpu_layer_loop: true}
 engine: {serving: engine, threads: null, policy: hetero-fcfs, max_num_batched_tokens: 128, max_num_seqs: 32,
          max_chunk_tokens: 64, min_share: 0.2, block_size: 32, kv_cache_gib: 0.5, enable_prefix_caching: false,
          max_in_flight: 100, cost_budget: false, step_time_target: null, step_time_margin: 0.5}
@@ -164,6 +166,9 @@ def test_an_old_saved_config_maps_onto_the_new_keys(tmp_path):
     upgraded = upgrade_saved(OmegaConf.to_container(OmegaConf.create(saved)))
     assert "engine" not in upgraded and "num_threads" not in upgraded["model"]
     assert upgraded["model"]["embedding_adapters"] == [str(tmp_path)]  # the one folder, now a list
+    # the implementation switches of old folders: one override each where they asked for other than the default
+    assert upgraded["model"]["kernel_overrides"] == {"linears": "dense", "decode_attention": "sdpa"}
+    assert not {"linear_kernel", "attention_backend", "cpu_decode_kernel", "cpu_layer_loop"} & set(upgraded["model"])
     assert upgraded["deploy"] == {"mode": "engine", "threads": None, "max_in_flight": 100, "num_threads": 2}
     assert upgraded["cache"] == {"block_size": 32, "kv_cache_gib": 0.5, "enable_prefix_caching": False}
     assert upgraded["scheduler"]["policy"] == "hetero-fcfs" and upgraded["scheduler"]["step_time_margin"] == 0.5
@@ -173,8 +178,9 @@ def test_an_old_saved_config_maps_onto_the_new_keys(tmp_path):
     assert upgrade_saved({"model": {"embedding_adapter": None}})["model"]["embedding_adapters"] == []
 
     current = _compose(f"run_dir={tmp_path / 'run'}", "seed=7", "model=smollm2_backbone",
-                       f"model.embedding_adapters=[{tmp_path}]", "model.linear_kernel=dense", "deploy.num_threads=2",
-                       "scheduler=hetero_fcfs", "scheduler.max_num_batched_tokens=128", "scheduler.max_num_seqs=32",
+                       f"model.embedding_adapters=[{tmp_path}]", "+model.kernel_overrides.linears=dense",
+                       "+model.kernel_overrides.decode_attention=sdpa", "deploy.num_threads=2", "scheduler=hetero_fcfs",
+                       "scheduler.max_num_batched_tokens=128", "scheduler.max_num_seqs=32",
                        "scheduler.max_chunk_tokens=64", "scheduler.min_share=0.2", "scheduler.cost_budget=false",
                        "scheduler.step_time_margin=0.5", "cache.block_size=32", "cache.kv_cache_gib=0.5",
                        "cache.enable_prefix_caching=false", "deploy.max_in_flight=100")

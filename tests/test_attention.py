@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orthrus_rag.layers.attention import build_metadata, grouped, key_slots, reference, select_backend, varlen
+from orthrus_rag.layers.attention import build_metadata, grouped, key_slots, select_backend, varlen
+
+from tests import attention_reference as reference
 from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
 
 pytestmark = pytest.mark.isa  # make test runs this file again under ORTHRUS_CPU_ISA=avx2
@@ -88,8 +90,7 @@ class _DecodeKernel:
 
 
 # NOTE: the C++ kernel builds on first use (minutes on a fresh machine): not part of the fast subset
-@pytest.fixture(params=["grouped", pytest.param("grouped-decode-kernel", marks=pytest.mark.slow), "varlen-gqa",
-                        "varlen-expand"])
+@pytest.fixture(params=["grouped", pytest.param("grouped-decode-kernel", marks=pytest.mark.slow), "varlen"])
 def backend(request, monkeypatch):
     if request.param == "grouped":
         return grouped
@@ -97,12 +98,7 @@ def backend(request, monkeypatch):
         if not decode_kernel_available():
             pytest.fail("the C++ decode kernel did not build (a compiler and ninja are installed with the project)")
         return _DecodeKernel
-    fake = _fake_varlen_attn
-    if request.param == "varlen-expand":  # torch 2.11's signature: no enable_gqa, heads expanded by the backend
-        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):  # noqa: F811
-            return _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: fake)
-    monkeypatch.setattr(varlen, "takes_gqa", lambda: request.param == "varlen-gqa")
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _fake_varlen_attn)
     return varlen
 
 
@@ -197,16 +193,12 @@ def test_one_group_for_a_uniform_step_and_separate_calls_for_outliers():
 def test_backend_selection():
     cpu = torch.device("cpu")
     assert select_backend("auto", cpu) is grouped
-    assert select_backend("reference", cpu) is reference
+    with pytest.raises(ValueError, match="backend 'reference'; expected one of auto, grouped, varlen"):
+        select_backend("reference", cpu)  # the test oracle is not a user's choice
     with pytest.raises(ValueError, match="CUDA only"):
         select_backend("varlen", cpu)
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("flash", cpu)
-
-
-def _varlen_2_10(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
-    """torch 2.10's signature: `is_causal`, no `window_size`."""
-    raise AssertionError("never called: the backend choice reads only the signature")
 
 
 @pytest.fixture
@@ -243,11 +235,7 @@ def test_head_sizes_flash_cannot_take_fall_back(fake_cuda, head_dim):
         select_backend("varlen", fake_cuda, torch.bfloat16, head_dim)
 
 
-def test_torch_versions_without_the_kernels_features_fall_back(fake_cuda, monkeypatch):
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: _varlen_2_10)
-    assert select_backend("auto", fake_cuda, torch.bfloat16, 64) is grouped
-    with pytest.raises(ValueError, match="window_size"):
-        select_backend("varlen", fake_cuda, torch.bfloat16, 64)
+def test_without_the_kernel_auto_falls_back(fake_cuda, monkeypatch):
     monkeypatch.setattr(varlen, "_varlen_attn", lambda: None)  # no torch.nn.attention.varlen at all
     assert select_backend("auto", fake_cuda, torch.bfloat16, 64) is grouped
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -269,10 +257,10 @@ def test_the_runner_chooses_by_its_models_dtype_and_head_size(monkeypatch):
         seen.append((name, device.type, dtype, head_dim))
         return grouped
 
-    monkeypatch.setattr(runner_module, "select_backend", spy)
+    monkeypatch.setattr(runner_module, "choose_attention", spy)
     cfg = LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=32)
-    config = engine_config(block_size=4, max_num_batched_tokens=8, cuda_graphs=False, cpu_decode_kernel=False,
-                           cpu_prefill_kernel=False, cpu_sample_kernel=False)
+    config = engine_config(block_size=4, max_num_batched_tokens=8, kernels="torch",
+                           kernel_overrides={"attention": "auto"})
     runner_module.ModelRunner(CausalLM(cfg), config, 4, torch.bfloat16)
     assert seen == [("auto", "cpu", torch.bfloat16, 24)]

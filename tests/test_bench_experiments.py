@@ -20,28 +20,37 @@ TINY = ["model.name=smollm2-135m-instruct", "workload.words=8", "workload.max_to
         "threads.inproc=1", "threads.split=[1,1]"]
 
 
-@pytest.fixture(scope="module")
-def bench_script():
-    # NOTE: not named `benchmark`: pytest-benchmark (which langchain-tests brings) owns that fixture name
+def _script():
     sys.path.insert(0, str(ROOT / "scripts"))
     import benchmark
 
     return benchmark
 
 
+@pytest.fixture(scope="module")
+def bench_script():
+    # NOTE: not named `benchmark`: pytest-benchmark (which langchain-tests brings) owns that fixture name
+    return _script()
+
+
 def compose_bench(experiment: str, tmp_path: Path, *overrides: str):
+    _script().register_experiments()  # each experiment module's CONFIG, as the command line registers them
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("bench", overrides=[f"experiment={experiment}", f"out={tmp_path}", *TINY, *overrides])
 
 
 def test_every_experiment_config_composes(tmp_path):
-    for path in sorted((CONF / "experiment").glob("*.yaml")):
-        cfg = compose_bench(path.stem, tmp_path)
-        assert cfg.experiment.name == path.stem
+    names = _script().register_experiments()
+    assert names == sorted(p.stem for p in (ROOT / "scripts" / "bench" / "experiments").glob("*.py"))
+    assert {"ratio_sweep", "three_phase", "fcfs_blocking", "poisson", "iter_retgen", "chunk_equivalence"} <= set(names)
+    for name in names:
+        cfg = compose_bench(name, tmp_path)
+        assert cfg.experiment.name == name
         assert Path(cfg.out) == tmp_path
 
 
 def test_an_experiment_overrides_the_shared_settings_and_the_command_line_overrides_both(tmp_path):
+    _script().register_experiments()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         fcfs = compose("bench", overrides=["experiment=fcfs_blocking"])
         chunks = compose("bench", overrides=["experiment=chunk_equivalence", "peers=[hf]"])
@@ -123,7 +132,7 @@ def test_iter_retgen_runs_every_system_through_the_same_app(bench_script, tmp_pa
                         # `auto` would time kernels per thread count (2 in process, 1 per worker); in bf16 (the
                         # default where the CPU has it) greedy decoding flips at near-ties
                         'experiment.overrides=["pipeline.max_tokens=8","pipeline.iterations=1","model.dtype=float32",'
-                        '"model.linear_kernel=dense"]')
+                        '"+model.kernel_overrides.linears=dense"]')
     bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["policies"]) == {"orthrus", "dedicated", "hf"}

@@ -51,16 +51,17 @@ def test_a_packed_bf16_linear_equals_the_dense_one():
 
 def test_without_onednn_bf16_packing_is_refused_in_one_line_and_auto_stays_dense(monkeypatch):
     """An AVX2-only CPU: torch's oneDNN has no bf16 there (its reorder raises mid-load). A packed copy asked for by
-    name is refused naming the flags; `linear_kernel=auto` keeps bf16 linears dense, and fp32 still packs."""
+    name is refused naming the flags; `linears=auto` keeps bf16 linears dense, and fp32 still packs."""
     from orthrus_rag.engine.executor.loading import _packed_from
+    from orthrus_rag.engine.executor.plan import choose_linears
 
     monkeypatch.setattr(machine, "onednn_bf16_supported", lambda: False)
     assert not onednn_available(torch.bfloat16, "cpu")
     model = nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16)
     with pytest.raises(ValueError, match="avx512bw, avx512vl and avx512dq, or avx_ne_convert"):
         pack_module(model[0])
-    with pytest.raises(ValueError, match="linear_kernel=dense"):
-        _packed_from("onednn", [(16, 8)], torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="linears: dense"):
+        choose_linears("onednn", torch.device("cpu"), torch.bfloat16)
     assert _packed_from("auto", [(16, 8)], torch.bfloat16, "cpu") is None
     x = torch.randn(3, 16).to(torch.bfloat16)
     torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))  # dense bf16 runs

@@ -29,7 +29,7 @@ def no_models(monkeypatch):
     ("scheduler.min_share=0.9", "scheduler: min_share"),
     ("cache.kv_cache_gib=-1", "cache: kv_cache_gib"),
     ("model.dtype=float8", "model: unknown dtype"),
-    ("model.linear_kernel=fast", "model: unknown linear_kernel 'fast'"),
+    ("+model.kernel_overrides.attention=flash", "model: kernel_overrides: unknown choice 'flash' for attention"),
     ("scheduler.policy=fifo", "scheduler: unknown scheduling policy 'fifo'"),
     ("deploy.max_in_flight=0", "deploy.max_in_flight"),
     ("serve.port=70000", "serve.port"),

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from orthrus_rag.layers import cpu_elementwise
-from orthrus_rag.layers.attention import cpu_prefill, grouped, reference
+from orthrus_rag.layers.attention import cpu_prefill, grouped
+
+from tests import attention_reference as reference
 from orthrus_rag.models.llama import RMSNorm, apply_rotary
 from tests.test_attention import SCENARIOS, _run, _scenario
 
@@ -205,7 +207,12 @@ def test_bf16_on_amx_without_the_amx_body_keeps_sdpa(monkeypatch):
     assert cpu_prefill.prefill_kernel_available(torch.float32, 64)
     eng = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16"))
     assert not eng.runner.prefill_kernel
-    assert eng.plan.cell("prefill attention").choice == "SDPA over padded groups"
+    assert str(eng.plan.cell("prefill_attention")) == "prefill_attention: sdpa (padded groups)"
+    # asked for by name, the kernel's AVX512-BF16 body runs there
+    eng = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16",
+                                                          kernel_overrides={"prefill_attention": "cpp"}))
+    assert eng.runner.prefill_kernel
+    assert str(eng.plan.cell("prefill_attention")) == "prefill_attention: cpp (AVX512-BF16 body)"
 
 
 def _packed_sdpa(q, k, v, lens):
@@ -381,9 +388,9 @@ def test_the_switches_turn_each_kernel_off_and_the_tokens_stay_close(smol_path, 
     if dtype == "bfloat16":
         _needs_bf16_kernel()
     on = Engine.from_pretrained(SMOL, **engine_overrides(dtype=dtype))
-    off = Engine.from_pretrained(SMOL, **engine_overrides(dtype=dtype, cpu_prefill_kernel=False,
-                                                          cpu_fused_kernels=False))
-    # NOTE: bf16 on an AMX CPU without the AMX body keeps SDPA (test_bf16_on_amx_takes_the_kernel_where_its_amx_body_runs)
+    off = Engine.from_pretrained(SMOL, **engine_overrides(dtype=dtype, kernel_overrides={
+        "prefill_attention": "sdpa", "layers": "torch"}))
+    # NOTE: bf16 on AMX without the AMX body keeps SDPA (test_bf16_on_amx_takes_the_kernel_where_its_amx_body_runs)
     assert on.runner.prefill_kernel is cpu_prefill.prefill_kernel_available(getattr(torch, dtype), 64)
     assert on.runner.model.model.fused_norms
     assert not off.runner.prefill_kernel and not off.runner.model.model.fused_norms

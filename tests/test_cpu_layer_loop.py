@@ -71,6 +71,9 @@ class Spy:
     def __init__(self, loop) -> None:
         self.loop, self.taken, self.left = loop, 0, 0
 
+    def __getattr__(self, name: str):  # NOTE: the loop's other members (refresh, describe, ...) as they are
+        return getattr(self.loop, name)
+
     def __call__(self, *args):
         out = self.loop(*args)
         self.taken += out is not None
@@ -189,8 +192,10 @@ def test_a_step_with_adapter_rows_on_torchs_ops_or_autograd_keeps_the_python_loo
                                                                 lora_rows=[(1, torch.tensor([0]))])):
         assert loop(h, residual.clone(), cos, sin) is None  # the adapters' layers add through torch's ops
         use_cpu_lora_kernel(model)
+        loop.refresh()  # NOTE: LoRA settings changed after the loop was made: its model arguments gathered again
         assert loop(h, residual.clone(), cos, sin) is not None  # through the kernel, which the loop calls too
         set_lora_kernel(model, "per_slot")
+        loop.refresh()
         assert loop(h, residual.clone(), cos, sin) is None
     with torch.inference_mode(), forward_context(ForwardContext(attn=meta, attn_backend=grouped,
                                                                 kv_caches=caches[:-1])):
@@ -210,15 +215,38 @@ def test_models_with_other_layers_keep_the_python_loop():
     assert not unfused.use_cpu_layer_loop()
 
 
-def test_a_repacked_layer_is_gathered_again():
+def test_the_loops_arguments_are_named_fields_checked_when_made():
+    """The model's arguments (built once) and a step's (built per step) are C++ structures of named fields; the
+    model's counts are checked when they are made, not at each step."""
+    from orthrus_rag.layers.cpu_extension import kernels
+
+    model = _model("llama", torch.float32, False)
+    assert model.use_cpu_layer_loop()
+    args = model.model.layer_loop._args
+    assert (args.layers, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.packed) == (3, 4, 2, 32,
+                                                                                                       96, False)
+    k = kernels()
+    with pytest.raises(TypeError):
+        k.LayerLoopStep(torch.zeros(1, dtype=torch.long))  # NOTE: keywords only
+    shape = dict(eps=[1e-5] * 6, windows=[-1] * 3, heads=4, kv_heads=2, head_dim=32, intermediate=96, scale=1.0)
+    with pytest.raises(RuntimeError, match="weights and two eps per layer"):
+        k.LayerLoopModel(weights=[torch.empty(0)] * 29, **shape)
+    with pytest.raises(RuntimeError, match="adapter arguments"):  # an entry count for 11 of the 12 projections
+        k.LayerLoopModel(weights=[torch.empty(0)] * 30, adapter_ints=[0] * 11, **shape)
+    with pytest.raises(RuntimeError, match="adapter arguments left over"):
+        k.LayerLoopModel(weights=[torch.empty(0)] * 30, adapter_ints=[0] * 13, **shape)
+
+
+def test_a_repacked_layer_is_gathered_again_on_refresh():
     model = _model("llama", torch.bfloat16 if PACKED_BF16 else torch.float32, True)
     assert model.use_cpu_layer_loop()
     spy = model.model.layer_loop = Spy(model.model.layer_loop)
-    before, _ = _steps(model, STEPS[:1], False)  # the loop gathers its weights
+    before, _ = _steps(model, STEPS[:1], False)  # on the weights the loop gathered when it was made
     down = model.model.layers[1].mlp.down_proj
     with torch.no_grad():
         down.weight.mul_(-1)
     pack_module(down)
+    spy.loop.refresh()  # NOTE: whoever packs after the loop exists gathers its arguments again
     got, _ = _steps(model, STEPS[:1], False)
     assert spy.taken == 2
     model.model.layer_loop = None
@@ -231,7 +259,7 @@ def test_the_engine_switch_and_its_tokens(smol_path, smol_tokenizer):
     from tests.conftest import SMOL, engine_overrides
 
     on = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16"))
-    off = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16", cpu_layer_loop=False))
+    off = Engine.from_pretrained(SMOL, **engine_overrides(dtype="bfloat16", kernel_overrides={"layers": "fused"}))
     assert on.runner.model.model.layer_loop is not None and off.runner.model.model.layer_loop is None
     spy = on.runner.model.model.layer_loop = Spy(on.runner.model.model.layer_loop)
     # NOTE: longer than the test budget (64 tokens): chunks after cached prefixes, beside the other's decodes
@@ -259,7 +287,7 @@ def test_the_shipped_adapters_rows_take_the_loop_and_its_embeddings(smol_path):
 
     kw = dict(embedding_adapters="smollm2_embed", dtype="bfloat16")
     on = Engine.from_pretrained(SMOL, **engine_overrides(**kw))
-    off = Engine.from_pretrained(SMOL, **engine_overrides(**kw, cpu_layer_loop=False))
+    off = Engine.from_pretrained(SMOL, **engine_overrides(**kw, kernel_overrides={"layers": "fused"}))
     lora = [m for m in on.runner.model.modules() if hasattr(m, "cpu_kernel")]
     assert lora and all(m.cpu_kernel for m in lora)
     spy = on.runner.model.model.layer_loop = Spy(on.runner.model.model.layer_loop)

@@ -99,11 +99,16 @@ def test_one_thread_adapter_rows_and_the_switch_keep_the_whole_weight_loop():
 
 
 def test_parts_that_do_not_tile_a_product_are_refused_before_any_thread_runs():
+    """The model's C++ arguments check parts when they take them; refused parts leave the ones they held."""
     model, loop = _split_model("llama", torch.float32)
-    _steps(model, STEPS[:1], False)
-    loop._parts.cols[1] -= loop.shape[2]  # thread 0's Q/K/V one head short
+    want, _ = _steps(model, STEPS[:1], False)
+    parts = loop._parts
+    parts.cols[1] -= loop._args.head_dim  # thread 0's Q/K/V one head short
     with pytest.raises(RuntimeError, match="column-split parts"):
-        _steps(model, STEPS[:1], False)
+        loop._set_parts(parts)
+    assert loop._args.split_threads == 2
+    got, _ = _steps(model, STEPS[:1], False)
+    assert loop.split_steps == 2 and torch.equal(got[0], want[0])
 
 
 def test_the_engine_switch(smol_path, smol_tokenizer):
@@ -111,8 +116,8 @@ def test_the_engine_switch(smol_path, smol_tokenizer):
     from orthrus_rag import Engine
     from tests.conftest import SMOL, engine_overrides
 
-    on = Engine.from_pretrained(SMOL, **engine_overrides(linear_kernel="onednn"))
-    off = Engine.from_pretrained(SMOL, **engine_overrides(linear_kernel="onednn", cpu_layer_split=False))
+    on = Engine.from_pretrained(SMOL, **engine_overrides(kernel_overrides={"linears": "onednn", "layers": "split"}))
+    off = Engine.from_pretrained(SMOL, **engine_overrides(kernel_overrides={"linears": "onednn", "layers": "loop"}))
     assert on.runner.model.model.layer_loop.split and not off.runner.model.model.layer_loop.split
     loop = on.runner.model.model.layer_loop
     loop.split_from = 8
@@ -129,8 +134,10 @@ def test_an_error_on_one_thread_mid_region_is_raised_and_the_next_step_runs():
     o_part = (1 * parts.threads + 0) * 8 + 2  # layer 1, thread 0: its O part
     good = parts.tensors[o_part]
     parts.tensors[o_part] = torch.zeros(good.shape[0], 7)  # inner size 7, not the 128 of the layer's o_in
+    loop._set_parts(parts)  # NOTE: its counts and columns pass the check; oneDNN refuses it mid-region
     with pytest.raises(RuntimeError):
         _steps(model, STEPS[:1], False)
     parts.tensors[o_part] = good
+    loop._set_parts(parts)
     got, _ = _steps(model, STEPS[:1], False)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)

@@ -166,7 +166,8 @@ def test_an_ingest_in_flight_takes_no_serving_slot(indexed) -> None:
 
 def _serve(folder: Path, port: int, log: Path) -> subprocess.Popen:
     args = [sys.executable, "-m", "orthrus_rag.entrypoints.cli", "serve", f"retriever.index_dir={folder}",
-            "serve.create_index=true", f"serve.port={port}", "serve.log_level=warning", "model.linear_kernel=dense",
+            "serve.create_index=true", f"serve.port={port}", "serve.log_level=warning",
+            "+model.kernel_overrides.linears=dense",
             *(f"cache.num_blocks={engine_overrides()['num_blocks']}",)]
     return subprocess.Popen(args, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -31,8 +31,8 @@ def test_adapter_config_is_checked():
         ModelConfig(adapters={"a": "/p"}, adapter_kinds={"x": "embed"})
     with pytest.raises(ValueError, match="unknown kind 'read'"):
         ModelConfig(adapters={"a": "/p"}, adapter_kinds={"a": "read"})
-    with pytest.raises(ValueError, match="unknown lora_kernel 'fast'"):
-        ModelConfig(lora_kernel="fast")
+    with pytest.raises(ValueError, match="choice 'fast' for lora; expected auto, cpp, torch, per_slot, stacked"):
+        ModelConfig(kernel_overrides={"lora": "fast"})
     assert ModelConfig(adapters={"a": "/p"}).adapter_kind("a") == "both"
 
 

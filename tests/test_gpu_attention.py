@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from orthrus_rag import ModelConfig, SamplingParams
-from orthrus_rag.layers.attention import grouped, reference, select_backend, varlen
+from orthrus_rag.layers.attention import grouped, select_backend, varlen
+
+from tests import attention_reference as reference
 from orthrus_rag.models.llama import apply_rotary
 from tests.gpu_support import DEVICE, assert_released, cuda_only, engine, gpu, ids, save_random_model, smol_config
 from tests.test_attention import SCENARIOS, _scenario

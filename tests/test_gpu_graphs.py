@@ -44,8 +44,8 @@ def small(tmp_path_factory):
 
 
 def _tiny_engine(folder, graphs: bool):
-    return engine(folder, dtype="float32", cuda_graphs=graphs, cost_budget=False, max_num_batched_tokens=8192,
-                  max_chunk_tokens=2048, max_num_seqs=512)
+    return engine(folder, dtype="float32", kernel_overrides={"cuda_graphs": "auto" if graphs else "off"},
+                  cost_budget=False, max_num_batched_tokens=8192, max_chunk_tokens=2048, max_num_seqs=512)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -98,10 +98,10 @@ def test_evicted_graphs_are_captured_again_with_the_same_tokens(tiny):
 
 def test_compiled_kernels_change_no_token_and_compile_once(small):
     prompts = [ids(n, 200 + n) for n in (1, 9, 40, 100)]
-    plain = engine(small, dtype="float32", compile_elementwise=False)
+    plain = engine(small, dtype="float32", kernel_overrides={"layers": "torch"})
     want = [o.token_ids for o in plain.generate(prompts, TOKENS)]
     del plain
-    eng = engine(small, dtype="float32", compile_elementwise=False)
+    eng = engine(small, dtype="float32", kernel_overrides={"layers": "torch"})
     eng.runner.model.compile_elementwise()  # NOTE: explicitly, so a dry run on the CPU compiles too
     assert eng.runner.model.model.layers[0].self_attn.rotary is not apply_rotary
     assert [o.token_ids for o in eng.generate(prompts, TOKENS)] == want

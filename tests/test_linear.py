@@ -170,8 +170,8 @@ def test_fewer_rows_than_the_threshold_take_the_dense_weight():
 def test_engine_results_equal_with_and_without_onednn():
     from orthrus_rag import Engine
 
-    dense = Engine.from_pretrained(SMOL, linear_kernel="dense", **engine_overrides())
-    packed = Engine.from_pretrained(SMOL, linear_kernel="onednn", **engine_overrides())
+    dense = Engine.from_pretrained(SMOL, kernel_overrides={"linears": "dense"}, **engine_overrides())
+    packed = Engine.from_pretrained(SMOL, kernel_overrides={"linears": "onednn"}, **engine_overrides())
     assert not any(getattr(m, "_onednn", None) is not None for m in dense.runner.model.modules())
     fused = [f for m in packed.runner.model.modules() for f in getattr(m, "fusions", {}).values()]
     assert len(fused) == 2 * 30 and all(getattr(f.carrier, "_onednn", None) is not None for f in fused)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast s
 # cache (see there), so both sessions run the same engine steps
 ARGS = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=16", "pipeline.step_tokens=12",
         "pipeline.max_steps=3", "pipeline.max_follow_ups=2", "retriever.k=2", "pipeline.max_concurrency=1",
-        "progress=false", "model.linear_kernel=dense", "scheduler.cost_budget=false",
+        "progress=false", "+model.kernel_overrides.linears=dense", "scheduler.cost_budget=false",
         "cache.enable_prefix_caching=false"]
 
 

@@ -16,8 +16,8 @@ from tests.test_app_config import _compose
 pytestmark = pytest.mark.slow  # starts Ray and two engines
 
 TOPICS = ["river", "mountain", "composer", "planet", "novel", "painter", "city", "bridge", "island", "desert"]
-COMMON = ["corpus=jsonl", "retriever.shard_size=16", "model.dtype=float32", "model.linear_kernel=dense",
-          "progress=false", "seed=0"]
+COMMON = ["corpus=jsonl", "retriever.shard_size=16", "model.dtype=float32",
+          "+model.kernel_overrides.linears=dense", "progress=false", "seed=0"]
 
 
 def _corpus(path: Path, n: int = 70) -> Path:

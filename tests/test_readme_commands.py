@@ -80,7 +80,7 @@ def test_the_corpus_quick_start_runs_as_written(workdir):
     assert summary["num_questions"] == 4 and summary["num_failed"] == 0 and summary["complete"]
     assert (workdir / "runs" / "example_index" / "index" / "manifest.json").is_file()
     plan = json.loads((workdir / "runs" / "example_run" / "plan.json").read_text())  # what ran the steps
-    assert plan["device"] == "cpu" and "decode attention" in plan["cells"]
+    assert plan["device"] == "cpu" and "decode_attention" in plan["cells"]
 
 
 def test_the_server_quick_start_answers_the_openai_client(workdir):

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # processes (as between any two runs): floats compare to 1e-6 relative.
 ARGS = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=8", "retriever.k=2",
         "pipeline.max_concurrency=1", "progress=false", "scheduler.max_num_batched_tokens=128", "checkpoint_every=2",
-        "model.linear_kernel=dense", "scheduler.cost_budget=false", "deploy.num_threads=2",
+        "+model.kernel_overrides.linears=dense", "scheduler.cost_budget=false", "deploy.num_threads=2",
         "cache.enable_prefix_caching=false"]
 
 

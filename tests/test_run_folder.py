@@ -243,8 +243,8 @@ def _old_style(saved: str) -> str:
     def keep(node: dict, keys: tuple[str, ...]) -> dict:  # the fields the old schema had
         return {k: node[k] for k in keys}
 
-    cfg["model"] = {**keep(model, ("name", "embedding_model", "dtype", "device", "linear_kernel",
-                                   "attention_backend")),
+    cfg["model"] = {**keep(model, ("name", "embedding_model", "dtype", "device", "kernels",
+                                   "kernel_overrides")),
                     "embedding_adapter": None, "num_threads": deploy["num_threads"]}
     cfg["engine"] = {"serving": deploy["mode"], "threads": deploy["threads"], "max_in_flight": deploy["max_in_flight"],
                      **keep(sched, ("policy", "max_num_batched_tokens", "max_num_seqs", "max_chunk_tokens",

@@ -1,5 +1,6 @@
 """The one home of configuration:
 
+- kernels.py: the parts of a step and each one's implementations (`model.kernels`, `model.kernel_overrides`);
 - engine.py: the engine's dataclasses (`EngineConfig` = `ModelConfig` + `CacheConfig` + `SchedulerConfig`), which
   are also the CLI's `model`, `cache` and `scheduler` nodes;
 - app.py: the CLI's other nodes (`dataset`, `deploy`, `retriever`, `pipeline`, `serve`) and `AppConf`, registered
@@ -12,8 +13,8 @@ A composed config is validated by the entry points (`orthrus_rag.entrypoints.che
 rule of its owner, above this package.
 """
 
-from orthrus_rag.config.engine import (ADAPTER_KINDS, LORA_KERNELS, CacheConfig, EngineConfig, ModelConfig,
+from orthrus_rag.config.engine import (ADAPTER_KINDS, CacheConfig, EngineConfig, ModelConfig,
                                        SchedulerConfig, SloConfig)
 
-__all__ = ["ADAPTER_KINDS", "LORA_KERNELS", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig",
+__all__ = ["ADAPTER_KINDS", "CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig",
            "SloConfig"]

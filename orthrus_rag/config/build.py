@@ -74,7 +74,8 @@ def owned(prefix: str, build: Callable[[], T], keyed: bool = False) -> T:
 
 def parse_option(text: str) -> tuple[str, Any]:
     """`NAME=VALUE` from a command line (the scripts' `--option`): the value as JSON where it parses (numbers,
-    true / false / null in any case, lists), else the string itself (`attention_backend=grouped`)."""
+    true / false / null in any case, lists, objects: `kernel_overrides={"layers": "fused"}`), else the string itself
+    (`kernels=torch`)."""
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise ValueError(f"an engine option needs NAME=VALUE, got {text!r}")

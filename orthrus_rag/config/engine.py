@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orthrus_rag.config.kernels import check_kernels, requested
+
 ADAPTER_KINDS = ("generate", "embed", "both")
-LORA_KERNELS = ("auto", "per_slot", "stacked")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -27,47 +28,25 @@ class ModelConfig:
     # one ("generate" | "embed" | "both")
     adapters: dict[str, str] = field(default_factory=dict)
     adapter_kinds: dict[str, str] = field(default_factory=dict)
-    # how adapter rows are added: "auto" (on CPU with cpu_fused_kernels: a C++ kernel, one call per projection
-    # and adapter, layers/lora_fused.py; elsewhere by adapters in the step, measured: layers/lora.py), "per_slot"
-    # (two small torch products per adapter) or "stacked" (all adapters' A and B at once)
-    lora_kernel: str = "auto"
     embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
     # "auto": bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 / AMX: 3-4x fp32's GEMMs there),
     # float32 on other CPUs; norms, rotary, softmax, logits, sampling and pooling sums run in fp32 either way
     dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda (cuda:N)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    # fp32 on CPU: Linear layers on torch's dense matmul or a oneDNN copy of their weights; "auto" times both on
-    # the model's shapes at load (layers/linear.py: oneDNN ~2x MKL on an AMD EPYC, MKL ahead on a Xeon)
-    linear_kernel: str = "auto"
-    # attention: "auto" (varlen flash on CUDA where torch has it, else grouped SDPA), "grouped", "reference"
-    attention_backend: str = "auto"
-    cuda_graphs: bool = True  # on CUDA: decode-only steps replayed as CUDA graphs (engine/executor/cuda_graphs.py)
-    compile_elementwise: bool = True  # on CUDA: rotary and SiLU-mul as torch.compile'd fused kernels
-    cpu_decode_kernel: bool = True  # on CPU, fp32 or bf16: decode attention in a C++ kernel over the paged cache
-    # on CPU, fp32 anywhere and bf16 where the compiler targets AVX512-BF16 (on AMX, its body on AMX tiles):
-    # chunked-prefill attention, and a separate encoder's attention, in a C++ kernel (else SDPA)
-    cpu_prefill_kernel: bool = True
-    # on CPU, fp32 or bf16: residual add + RMSNorm, rotary and SiLU-and-mul as fused C++ kernels (else torch ops)
-    cpu_fused_kernels: bool = True
-    # on CPU, with cpu_fused_kernels: the decoder's layers in one C++ call per step (no Python between the
-    # kernels; adapter rows too, under lora_kernel=auto); else the Python loop of the same kernels
-    cpu_layer_loop: bool = True
-    # on CPU, with cpu_layer_loop and packed weights, at two or more threads: steps of 256+ rows without adapter
-    # rows run each thread on its own output columns of every product (layers/cpu_layer_split.py; a second packed
-    # copy of the layers' weights)
-    cpu_layer_split: bool = True
-    # on CPU: the sampler's draw from each row's probabilities in a C++ kernel (else an fp64 cumsum in torch),
-    # and greedy rows' argmax (else torch.argmax, ~4x slower on a 49k vocabulary)
-    cpu_sample_kernel: bool = True
+    # which implementation runs each part of a step: "auto" (the fastest this machine runs, per part) or "torch"
+    # (torch's own ops everywhere: the reference); `orthrus-rag plan` prints what a config gets (config/kernels.py)
+    kernels: str = "auto"
+    # single parts pinned, for tests and benchmarks: {part: choice}, e.g. {decode_attention: sdpa, layers: fused};
+    # parts and choices: config/kernels.py PARTS (layers, linears, attention, decode_attention, prefill_attention,
+    # encoder_attention, lora, sampler, cuda_graphs)
+    kernel_overrides: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected auto or one of {', '.join(_DTYPES)}")
-        if self.linear_kernel not in ("auto", "dense", "onednn"):
-            raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}; expected auto, dense or onednn")
-        if self.lora_kernel not in LORA_KERNELS:
-            raise ValueError(f"unknown lora_kernel {self.lora_kernel!r}; expected {', '.join(LORA_KERNELS)}")
+        self.kernel_overrides = dict(self.kernel_overrides)
+        check_kernels(self.kernels, self.kernel_overrides)
         self.adapters, self.adapter_kinds = dict(self.adapters), dict(self.adapter_kinds)
         for name, kind in self.adapter_kinds.items():
             if name not in self.adapters:
@@ -91,6 +70,10 @@ class ModelConfig:
         out = {Path(p).name: (p, "embed") for p in self.embedding_adapters}
         out.update((name, (p, self.adapter_kind(name))) for name, p in self.adapters.items())
         return out
+
+    def requested_kernels(self) -> dict[str, str]:
+        """Each part's requested implementation (config/kernels.py); the plan resolves `auto` at load."""
+        return requested(self.kernels, self.kernel_overrides)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -36,10 +36,35 @@ OLD_KEYS = {
 }
 
 
+# the implementation switches of folders written before `model.kernels` / `model.kernel_overrides`: (part, the
+# override a value asks for); a value that asks for the default (true, "auto") becomes no override
+OLD_KERNEL_SWITCHES = {
+    "cpu_decode_kernel": ("decode_attention", {False: "sdpa"}), "cpu_prefill_kernel": ("prefill_attention",
+                                                                                     {False: "sdpa"}),
+    "cpu_fused_kernels": ("layers", {False: "torch"}), "cpu_layer_loop": ("layers", {False: "fused"}),
+    "cpu_layer_split": ("layers", {False: "loop"}), "cpu_sample_kernel": ("sampler", {False: "torch"}),
+    "cuda_graphs": ("cuda_graphs", {False: "off"}), "compile_elementwise": ("layers", {False: "torch"}),
+    "linear_kernel": ("linears", {"dense": "dense", "onednn": "onednn"}),
+    "lora_kernel": ("lora", {"per_slot": "per_slot", "stacked": "stacked"}),
+    "attention_backend": ("attention", {"grouped": "grouped", "varlen": "varlen"}),
+}
+
+
+def _upgrade_kernel_switches(model: dict[str, Any]) -> None:
+    overrides = dict(model.get("kernel_overrides") or {})
+    for key, (part, asks) in OLD_KERNEL_SWITCHES.items():
+        if key in model and (choice := asks.get(model.pop(key))) is not None:
+            overrides.setdefault(part, choice)  # NOTE: the first switch that turned a part off names its choice
+    if overrides:
+        model["kernel_overrides"] = overrides
+
+
 def upgrade_saved(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved config (plain nested dicts) with its old keys (OLD_KEYS) renamed; a config already in today's
-    keys comes back unchanged."""
+    """A saved config (plain nested dicts) with its old keys (OLD_KEYS, OLD_KERNEL_SWITCHES) renamed; a config
+    already in today's keys comes back unchanged."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    if isinstance(out.get("model"), dict):
+        _upgrade_kernel_switches(out["model"])
     for old, new in OLD_KEYS.items():
         group, key = old.split(".")
         if key not in out.get(group, {}):

@@ -82,7 +82,7 @@ class Engine:
         self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len,
                                   min(self.eos_token_ids) if self.eos_token_ids else None)
         # what each part of a step runs here, read from the loaded model and runner (engine/executor/plan.py)
-        self.plan = describe(self.runner, config.model.compile_elementwise)
+        self.plan = describe(self.runner)
         logger.info("plan: %s", self.plan.summary())
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
         if self.scheduler.cost_model is not None:

@@ -11,10 +11,16 @@ fused elementwise ops; so its output is the Python loop's, bit for bit.
 It runs a step only when the Python loop would do nothing else: the model's plain Llama layers on the fused
 kernels (`CausalLM.use_cpu_kernels`, fused Q/K/V and gate/up, no per-head norms), adapter rows only where every
 adapted projection adds them through the LoRA kernel (layers/lora_fused.py, which the loop calls with the Python
-layers' arguments; `lora_kernel=per_slot` / `stacked` keep the Python loop; full-delta norms keep it too, since
-the fused norms are off there), no autograd, and the grouped attention backend's plan (`grouped.kernel_plan`:
-its groups on the C++ kernels, and those on torch's SDPA through the same torch ops from C++, e.g. bf16 chunks
-on a CPU without AVX512-BF16); any other step takes the Python loop. `cpu_layer_loop=false` turns it off.
+layers' arguments; the plan's `lora=torch` / `per_slot` / `stacked` keep the Python loop; full-delta norms keep
+it too, since the fused norms are off there), no autograd, and the grouped attention backend's plan
+(`grouped.kernel_plan`: its groups on the C++ kernels, and those on torch's SDPA through the same torch ops from
+C++, e.g. bf16 chunks on a CPU without AVX512-BF16); any other step takes the Python loop. The plan's
+`layers=fused` (`+model.kernel_overrides.layers=fused`) turns it off.
+
+Its arguments, in two named structures (csrc/layer_loop.h): the model's (`LayerLoopModel`: weights, eps, windows,
+shape, packed weights, adapters, the column split's parts), built when the loop is made and on `refresh()`, and a
+step's (`LayerLoopStep`: the attention plan, adapter rows, whether to split), built per step: a step converts its
+plan and caches for C++, not the model's weights.
 
 At two or more threads, steps of many rows without adapter rows take its column-split form (cpu_layer_split.py):
 each thread on its own output columns of every product. That form equals this loop to the dtype's rounding.
@@ -25,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orthrus_rag.layers import linear, lora_fused
+from orthrus_rag.layers import linear
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.cpu_layer_split import SPLIT_FROM, SplitParts
@@ -70,23 +76,30 @@ def _affine(module: nn.Linear) -> list[torch.Tensor]:
 
 
 class LayerLoop:
-    """The C++ layer loop of one DecoderModel whose layers it covers (`CausalLM.use_cpu_layer_loop` checks); its
-    arguments are gathered once, and again if packing, adapters or LoRA settings changed."""
+    """The C++ layer loop of one DecoderModel whose layers it covers (`CausalLM.use_cpu_layer_loop` checks).
+
+    Its model arguments (csrc/layer_loop.h's LoopModel: weights, packed copies, adapters) are gathered when it is
+    made and again on `refresh()`, which whoever packs the model's projections anew, attaches adapters or changes
+    LoRA settings after the loop exists calls (`CausalLM.kernel_inputs_changed`); a step builds only its own
+    arguments (LoopStep). The column-split parts follow the thread count and `split`, checked at each step."""
 
     def __init__(self, model: nn.Module) -> None:  # NOTE: a models/llama.py DecoderModel
         self.model = model
-        self._weights: list[torch.Tensor] | None = None
-        # (linear.GENERATION, lora_fused.GENERATION, threads) the arguments were gathered at
-        self._built_for: tuple[int, int, int] | None = None
-        self._adapters, self._adapters_ok = _NO_ADAPTERS, True
         # the column-split form (cpu_layer_split.py) for steps of at least split_from rows; `split_steps` counts them
         self.split, self.split_from, self.split_steps = True, SPLIT_FROM, 0
-        self._parts: SplitParts | None = None
         # NOTE: the packed weights' op as the C++ names its signature (a torch without it: dense weights only)
-        self._pointwise = bool(kernels().layer_loop_pointwise())
+        self._kernels = kernels()
+        self._pointwise = bool(self._kernels.layer_loop_pointwise())
+        self.refresh()
 
-    def _gather(self) -> None:
+    def refresh(self) -> None:
+        """Gather the model's arguments again, between steps: after its projections were packed anew, or its
+        adapters or LoRA settings changed (`lora.attach_adapters`, `set_lora_kernel`, `use_cpu_lora_kernel`)."""
         model = self.model
+        self._args = None  # NOTE: a LayerLoopModel; None: weights the loop cannot read (every step: Python)
+        self._dtype, self._adapters_ok = None, True
+        self._parts: SplitParts | None = None
+        self._parts_for: int | None = None  # the threads (0: the split off) the parts were made for; None: not yet
         mods = [m for layer in model.layers for m in (layer.self_attn.fusions["qkv"].carrier, layer.self_attn.o_proj,
                                                       layer.mlp.fusions["gate_up"].carrier, layer.mlp.down_proj)]
         packed = [getattr(m, "_onednn", None) is not None for m in mods]
@@ -94,50 +107,52 @@ class LayerLoop:
         # NOTE: all packed from one row count (and torch has the pointwise op) or all dense: pack_linears packs
         # every one of the layers or none, from one threshold
         self.packed = all(packed) and len(froms) == 1 and linear._POINTWISE is not None and self._pointwise
-        if any(packed) and not self.packed:
-            self._weights = None
-            return
         # the packed weights, taken by steps of at least `packed_from` rows as linear.linear takes them
-        self.packed_w = [m._onednn[0] for m in mods] if self.packed else []
         self.packed_from = froms.pop() if self.packed else 0
+        if any(packed) and not self.packed:
+            return
         weights: list[torch.Tensor] = []
-        self.eps: list[float] = []
+        eps: list[float] = []
         nexts = [*(lr.input_layernorm for lr in model.layers[1:]), model.norm]
         for layer, next_norm in zip(model.layers, nexts):
             att, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
             weights += [*_affine(att.fusions["qkv"].carrier), *_affine(att.o_proj), post.weight,
                         *_affine(mlp.fusions["gate_up"].carrier), *_affine(mlp.down_proj), next_norm.weight]
-            self.eps += [post.eps, next_norm.eps]
+            eps += [post.eps, next_norm.eps]
         first = model.layers[0].self_attn
-        self.windows = [-1 if lr.self_attn.window is None else lr.self_attn.window for lr in model.layers]
-        self.shape = [first.num_heads, first.num_kv_heads, first.head_dim,
-                      model.layers[0].mlp.fusions["gate_up"].sizes[0]]
-        self.scale = first.scale
-        self._weights = weights
-        self._adapters, self._adapters_ok = _encode([g for layer in model.layers for g in _groups(layer)],
-                                                    weights[0].dtype)
-        threads = torch.get_num_threads()
-        # NOTE: the parts are packed like the whole weights, so only where those are (a second copy of the layers)
-        self._parts = (SplitParts(model, threads) if self.split and self.packed and threads > 1
-                       and linear.blocked_packing() else None)
+        self._dtype = weights[0].dtype
+        (lora_w, lora_ints, lora_scales), self._adapters_ok = _encode(
+            [g for layer in model.layers for g in _groups(layer)], self._dtype)
+        self._args = self._kernels.LayerLoopModel(
+            weights=weights, eps=eps,
+            windows=[-1 if lr.self_attn.window is None else lr.self_attn.window for lr in model.layers],
+            heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+            intermediate=model.layers[0].mlp.fusions["gate_up"].sizes[0], scale=first.scale,
+            packed_weights=[m._onednn[0] for m in mods] if self.packed else [], packed_from=self.packed_from,
+            adapter_tensors=lora_w, adapter_ints=lora_ints, adapter_scales=lora_scales)
 
-    def _ensure_gathered(self) -> None:
-        """The arguments, gathered again if packing, adapters, LoRA settings or (with the split) threads changed."""
-        built_for = (linear.GENERATION[0], lora_fused.GENERATION[0], torch.get_num_threads() if self.split else 0)
-        if self._built_for != built_for:
-            self._gather()
-            self._built_for = built_for
+    def _split_parts(self) -> SplitParts | None:
+        """The column-split parts for this step's thread count, made anew where it (or the switch) changed."""
+        want = torch.get_num_threads() if self.split else 0
+        if want != self._parts_for and self._args is not None:
+            # NOTE: the parts are packed like the whole weights, so only where those are (a second copy of the layers)
+            self._set_parts(SplitParts(self.model, want) if want > 1 and self.packed and linear.blocked_packing()
+                            else None)
+            self._parts_for = want
+        return self._parts
+
+    def _set_parts(self, parts: SplitParts | None) -> None:
+        """Give the C++ model arguments `parts` (checked there against the model's shapes) or none."""
+        self._args.set_split(parts.tensors if parts else [], parts.cols if parts else [])
+        self._parts = parts
 
     def describe(self, attn_backend: object) -> str | None:
         """What the loop takes of a step with `attn_backend`, for the execution plan (engine/executor/plan.py): None
         where no step can take it (a backend without a kernel plan, or weights it cannot read), else its form."""
-        if getattr(attn_backend, "kernel_plan", None) is None:
-            return None
-        self._ensure_gathered()
-        if self._weights is None:
+        if getattr(attn_backend, "kernel_plan", None) is None or self._args is None:
             return None
         out = "C++ layer loop"
-        if self._parts is not None:
+        if self._split_parts() is not None:
             out += f", column split from {max(self.split_from, self.packed_from)} rows"
         if not self._adapters_ok:
             out += "; steps with adapter rows in the Python loop"
@@ -153,23 +168,18 @@ class LayerLoop:
             return None
         kernel_plan = getattr(ctx.attn_backend, "kernel_plan", None)
         plan = kernel_plan(ctx.attn) if kernel_plan is not None else None
-        if plan is None:
+        args = self._args
+        if plan is None or args is None or (ctx.lora_rows and not self._adapters_ok):
             return None
-        self._ensure_gathered()
-        if ctx.lora_rows and not self._adapters_ok:
-            return None
-        if (self._weights is None or self._weights[0].dtype != h.dtype or len(ctx.kv_caches) != len(self.windows)
-                or ctx.kv_caches[0][0].dtype != h.dtype):
+        if (self._dtype != h.dtype or len(ctx.kv_caches) != args.layers or ctx.kv_caches[0][0].dtype != h.dtype):
             return None  # NOTE: the Python loop copes (write_kv casts nothing in C++, it checks)
         slot_mapping, chunks, groups, q_all, identity, sdpa, sdpa_ints, mask_windows = plan
-        caches = [c for kv in ctx.kv_caches for c in kv]
-        lora_w, lora_ints, lora_scales = self._adapters if ctx.lora_rows else _NO_ADAPTERS
-        parts = self._parts
-        split = (parts is not None and self.split and not ctx.lora_rows
-                 and h.shape[0] >= max(self.split_from, self.packed_from))
+        lora_rows = ctx.lora_rows
+        parts = self._split_parts()
+        split = (parts is not None and not lora_rows and h.shape[0] >= max(self.split_from, self.packed_from))
         self.split_steps += split
-        return kernels().layer_loop(h, residual, cos, sin, self._weights, caches, self.eps, self.windows, self.shape,
-                                    self.packed_w, self.packed_from, self.scale, slot_mapping, chunks, groups, q_all,
-                                    identity, lora_w, lora_ints, lora_scales, [s for s, _ in ctx.lora_rows],
-                                    [r for _, r in ctx.lora_rows], parts.tensors if split else [],
-                                    parts.cols if split else [], sdpa, sdpa_ints, mask_windows)
+        step = self._kernels.LayerLoopStep(
+            slot_mapping=slot_mapping, chunks=chunks, groups=groups, q_all=q_all, identity=identity, sdpa=sdpa,
+            sdpa_ints=sdpa_ints, mask_windows=mask_windows, lora_slots=[s for s, _ in lora_rows],
+            lora_rows=[r for _, r in lora_rows], split=split)
+        return self._kernels.layer_loop(args, h, residual, cos, sin, [c for kv in ctx.kv_caches for c in kv], step)

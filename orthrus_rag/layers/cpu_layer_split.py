@@ -8,14 +8,15 @@ thread's gate columns beside its up columns), multiplied by oneDNN on that threa
 SiLU-and-mul on the columns it wrote; only a layer's two norms, which read whole rows, split by rows. One parallel
 region runs a layer from its O product to the next layer's Q/K/V, with barriers between its ops (csrc/layer_split.h);
 attention runs between regions as the loop runs it. On an Intel Xeon with AMX (two cores) the chain alone ran
-1.16-1.21x faster at 64-512 rows; `scripts/bench_layer_split.py` times whole steps with and without it.
+1.16-1.21x faster at 64-512 rows; `scripts/profiling.py layer-split` times whole steps with and without it.
 
 Which steps take it: those of at least `split_from` rows (packed weights only, the ones the loop multiplies by from
 `packed_from` rows) without adapter rows (those keep the loop's whole-weight form, whose LoRA kernel adds to the
 whole products), when torch runs more than one thread. The parts are a second packed copy of the layers' weights,
-made from the dense weights when the loop gathers its arguments. A part's product can differ from the whole
-weight's in the last bit where oneDNN blocks the part's reduction otherwise (bf16 at some shapes), so this form
-equals the Python loop to the dtype's rounding, not bit for bit. `model.cpu_layer_split=false` turns it off.
+made from the dense weights when a step first runs at a thread count (the loop checks the count at each step). A
+part's product can differ from the whole weight's in the last bit where oneDNN blocks the part's reduction otherwise
+(bf16 at some shapes), so this form equals the Python loop to the dtype's rounding, not bit for bit.
+`model.kernel_overrides={layers: loop}` turns it off.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from orthrus_rag.layers import linear
 
 # rows from which a step takes the column split. Below it a step streams the layers' weights from memory more
 # than it computes, and both threads' parts contend for it: at 64-128 rows the split was 0.90-0.96x the whole form,
-# at 256 1.05-1.08x, at 512 1.06-1.13x (measured on an Intel Xeon with AMX, two cores: scripts/bench_layer_split.py,
-# docs/design/cpu-kernels.md)
+# at 256 1.05-1.08x, at 512 1.06-1.13x. Measured on an Intel Xeon with AMX (2 cores under KVM: avx512_bf16,
+# amx_bf16/tile, 2 MiB L2 per core) at 2 threads, SmolLM2 in bf16 (the engine's `auto` dtype there) on packed oneDNN
+# weights, torch 2.13.0+cpu, whole steps of 32-token chunks (`scripts/profiling.py layer-split`); recorded in
+# docs/design/cpu-kernels.md ("Constants tuned on a given CPU", "The column split"). Another CPU (other cache sizes
+# or core counts) or fp32 may move it.
 SPLIT_FROM = 256
 # a part's columns: a multiple of this where the width allows (oneDNN's blocked layout packs 16-64 columns a block)
 ALIGN = 32

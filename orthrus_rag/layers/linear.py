@@ -5,8 +5,8 @@ Which is faster depends on the CPU, so the engine measures at load time (`choose
 on an AMD EPYC MKL's sgemm reached ~205-225 GFLOP/s on 2 threads against oneDNN's ~400-475 on the
 model's shapes; on a Xeon (Emerald Rapids, 2 threads) MKL is as fast for 32-256 rows and 1.5-3x faster for one
 row (a decode step at batch 1), because oneDNN's public path converts each activation to its layout and back.
-Where torch has `mkldnn._linear_pointwise` (dense input against a packed weight, what inductor emits) the
-conversion is skipped.
+The packed copy is oneDNN's own blocked layout, multiplied by through `mkldnn._linear_pointwise` (dense input
+against the packed weight, what inductor emits), so no activation is converted.
 
 `pack_linears` keeps a oneDNN copy of each Linear's weight (the dense Parameters stay, so state_dict, weight
 tying and adapters see no change) and routes the forward through it: a second copy of the linear weights in
@@ -37,7 +37,7 @@ def onednn_available(dtype: torch.dtype, device: str | torch.device) -> bool:
     """oneDNN packing applies on CPU to fp32 and bf16 weights (bf16's dense matmul is oneDNN too, but it reorders
     the weight at every call: ~5-10% of a small GEMM, measured on an EPYC core). bf16 only where torch's oneDNN
     runs it (`machine.onednn_bf16_supported`: not on AVX2-only CPUs, whose bf16 linears stay dense)."""
-    if torch.device(device).type != "cpu" or dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
+    if torch.device(device).type != "cpu" or dtype not in PACKABLE or _POINTWISE is None:
         return False
     return dtype != torch.bfloat16 or machine.onednn_bf16_supported()
 
@@ -47,8 +47,8 @@ def check_packable(dtype: torch.dtype) -> None:
     inside the reorder, and names no fallback)."""
     if dtype == torch.bfloat16 and not machine.onednn_bf16_supported():
         raise ValueError(f"oneDNN's packed bf16 linears need the CPU flags {machine.ONEDNN_BF16_FLAGS}, which "
-                         f"this CPU ({machine.cpu_model()}) lacks: use model.linear_kernel=dense (or auto) for bf16, "
-                         "or dtype=float32")
+                         f"this CPU ({machine.cpu_model()}) lacks: use model.kernel_overrides={{linears: dense}} (or "
+                         "auto) for bf16, or dtype=float32")
 
 
 def _pointwise_op():  # -> torch.ops.mkldnn._linear_pointwise or None
@@ -59,35 +59,24 @@ def _pointwise_op():  # -> torch.ops.mkldnn._linear_pointwise or None
 _POINTWISE = _pointwise_op()
 # oneDNN's own blocked layout for a linear weight (what inductor packs with): read at 24-31 GB/s by a one-row
 # product on an EPYC core against 15-17 GB/s for a plain `to_mkldnn` copy or the dense weight (30 layers of
-# SmolLM2, bf16 and fp32: docs/design/cpu-kernels.md); it needs the pointwise op to be read
-_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _POINTWISE is not None else None
-
-
-# bumped by every pack_module: holders of packed weights (cpu_layer_loop.py) read it and gather them anew
-GENERATION = [0]
-
-
-def packed_layout() -> str:
-    """Which oneDNN copy `pack_module` makes here (part of a remembered kernel choice's key)."""
-    return "blocked" if _REORDER is not None else "mkldnn"
+# SmolLM2, bf16 and fp32: docs/design/cpu-kernels.md); the pointwise op reads it
+_REORDER = torch.ops.mkldnn._reorder_linear_weight if _POINTWISE is not None else None
 
 
 def onednn_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
     w, b = packed
-    if _POINTWISE is not None:
-        return _POINTWISE(x, w, b, "none", [], "")
-    return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), w, b.to_mkldnn()).to_dense()
+    return _POINTWISE(x, w, b, "none", [], "")
 
 
 def blocked_packing() -> bool:
     """Whether this torch packs weights in oneDNN's blocked layout and multiplies by them (`pack_weight`)."""
-    return _REORDER is not None
+    return _POINTWISE is not None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] (contiguous) in oneDNN's blocked layout, as `onednn_linear` multiplies by it."""
     if _REORDER is None:
-        raise RuntimeError("this torch has no mkldnn._reorder_linear_weight / _linear_pointwise")
+        raise RuntimeError("this torch has no oneDNN (mkldnn._reorder_linear_weight / _linear_pointwise)")
     check_packable(weight.dtype)
     return _REORDER(weight)
 
@@ -117,7 +106,7 @@ def linear_gelu(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The exact (erf) GELU of `module`'s affine map. On its oneDNN copy the GELU runs in the GEMM's epilogue, on the
     output while it is in cache: a separate op reads and writes the whole [rows, out] product once more (MiniLM's
     FFN, 4,096 rows in bf16 on 2 EPYC cores: GELU 1.7 ms fused against 2.2 ms as torch's op, on an 11.6 ms GEMM)."""
-    packed = _packed_for(module, x) if _POINTWISE is not None else None
+    packed = _packed_for(module, x)
     if packed is None:
         return F.gelu(F.linear(x, module.weight, module.bias))
     w, b = packed
@@ -144,14 +133,8 @@ def pack_module(module: nn.Linear, from_rows: int | None = None) -> None:
     with torch.no_grad():
         weight = module.weight.detach().contiguous()
         bias = module.bias.detach().contiguous() if module.bias is not None else None
-        if _REORDER is not None:
-            packed = (_REORDER(weight), bias)
-        else:  # NOTE: the public path wants a bias tensor
-            packed = (weight.to_mkldnn(), bias if bias is not None else torch.zeros(module.out_features,
-                                                                                  dtype=weight.dtype))
         # NOTE: a plain attribute, not a buffer: it must not reach state_dict or `.to()`
-        module._onednn = packed  # type: ignore[assignment]
-        GENERATION[0] += 1
+        module._onednn = (pack_weight(weight), bias)  # type: ignore[assignment]
 
 
 def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str | None, nn.Linear]]:
@@ -185,6 +168,9 @@ def pack_linears(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m:
         pack_module(child, from_rows)
         count += 1
     logger.debug("packed %d linear layers for oneDNN (from %d rows)", count, from_rows)
+    refresh = getattr(model, "kernel_inputs_changed", None)  # NOTE: holders of the packed weights gather them anew
+    if refresh is not None:
+        refresh()
     return count
 
 

@@ -4,16 +4,16 @@ Rows of the flat batch listed in ``ForwardContext.lora_rows`` under slot ``s`` g
 added to the base projection; every other row sees the base weights only. Only plain LoRA on ``nn.Linear`` is
 supported; anything else in the adapter config is refused rather than silently ignored.
 
-Two ways to add the updates of a step with several adapters (`ModelConfig.lora_kernel`):
+Two ways to add the updates of a step with several adapters through torch (the plan's `lora` part: `torch`,
+`per_slot`, `stacked`):
 - `per_slot`: for each adapter, gather its rows, two small products, scatter-add (S adapters: 3S ops a module);
 - `stacked` (the S-LoRA / Punica idea, as dense products): every adapter's A stacked into one [sum r, in] and B
   into one [out, sum r]; all adapter rows go through both products at once, and a [rows, sum r] mask keeps each
   row's own adapter's columns (scaled). More arithmetic (each row meets every adapter's rank) for a constant
   number of ops, which wins once the per-op overhead of many adapters dominates.
 `auto` takes `stacked` from `STACKED_FROM_ADAPTERS` adapters in a step (measured: docs/benchmarks/features.md,
-scripts/bench_lora.py). On the CPU, a model the engine loads with its fused kernels adds the updates under `auto`
-through a C++ kernel instead, one call per projection and adapter (layers/lora_fused.py); `per_slot` and
-`stacked` keep torch's ops there too.
+scripts/bench_lora.py). On the CPU the plan's `lora=cpp` (its default where the extension built) adds the
+updates through a C++ kernel instead, one call per projection and adapter (layers/lora_fused.py).
 """
 
 from __future__ import annotations
@@ -29,18 +29,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from orthrus_rag.config import LORA_KERNELS
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.wrapping import wrap_once
 from orthrus_rag.layers.linear import linear, packed_from
-from orthrus_rag.layers.lora_fused import LoRAGroup, adapters_changed, cached_group
+from orthrus_rag.layers.lora_fused import LoRAGroup, cached_group, forget_groups
 from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas, load_full_deltas
 
 logger = logging.getLogger(__name__)
+# how a LoRALinear adds several adapters' rows through torch: "auto" (per adapter below STACKED_FROM_ADAPTERS
+# adapters in the step, else stacked), "per_slot" or "stacked"
+LORA_KERNELS = ("auto", "per_slot", "stacked")
+# `auto`: adapters with rows in a step from which the stacked product is used; tuned on one machine and kept for
+# all: an AMD EPYC with AVX512-BF16, one thread, bf16 SmolLM2 (docs/benchmarks/features.md, adapters)
+STACKED_FROM_ADAPTERS = 4
 
 # "base_model.model.<module>.lora_A[.default].weight" -> (<module>, "A")
-STACKED_FROM_ADAPTERS = 4  # `auto`: adapters with rows in a step from which the stacked product is used
-
 _KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -149,7 +152,7 @@ class LoRALinear(nn.Linear):
         self.register_buffer(f"lora_B_{slot}", b.to(**like).contiguous(), persistent=False)
         self.scalings[slot] = scaling
         self._stack = None
-        adapters_changed()
+        self.__dict__.pop("_lora_group", None)  # NOTE: attach_adapters forgets the fused projections' groups
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
         """(A [sum r, in], B [out, sum r], each column's slot [sum r], each column's scaling [sum r], a key of the
@@ -227,8 +230,17 @@ def _set_on_lora_layers(model: nn.Module, name: str, value: object) -> int:
     for module in layers:
         setattr(module, name, value)
     setattr(model, f"_lora_{name}", value)
-    adapters_changed()
+    adapters_changed(model)
     return len(layers)
+
+
+def adapters_changed(model: nn.Module) -> None:
+    """After `model`'s adapters or LoRA settings changed: cached kernel operands are rebuilt (the LoRA groups; and
+    the model's own, e.g. the C++ layer loop's arguments, through its `kernel_inputs_changed`)."""
+    forget_groups(model)
+    refresh = getattr(model, "kernel_inputs_changed", None)
+    if refresh is not None:
+        refresh()
 
 
 def set_lora_kernel(model: nn.Module, kernel: str) -> None:
@@ -239,8 +251,8 @@ def set_lora_kernel(model: nn.Module, kernel: str) -> None:
 
 
 def use_cpu_lora_kernel(model: nn.Module, enabled: bool = True) -> int:
-    """Let `model`'s LoRA layers add their updates through the C++ kernel under `lora_kernel=auto`
-    (layers/lora_fused.py), or (`enabled=False`) through torch's ops again; callers check the extension built for
+    """Let `model`'s LoRA layers whose kernel is `auto` add their updates through the C++ kernel (the plan's
+    `lora=cpp`, layers/lora_fused.py), or (`enabled=False`) through torch's ops again; callers check the extension built for
     the model's dtype. Returns how many layers."""
     return _set_on_lora_layers(model, "cpu_kernel", enabled)
 
@@ -285,4 +297,5 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> dict[str, 
         slots[adapter.name] = slot
         logger.info("attached LoRA adapter %r as slot %d (%d modules)", adapter.name, slot, len(adapter.weights))
     model._lora_slots = slots  # type: ignore[assignment]  # NOTE: lets a later call continue the numbering
+    adapters_changed(model)
     return dict(slots)

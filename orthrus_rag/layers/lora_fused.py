@@ -13,9 +13,8 @@ Numerics: `h = scale * x A^T` and `h B^T` summed in fp32 and added to the output
 path rounds h, the update and the sum to the model's dtype; on the AVX512-BF16 path (bf16 models) h is rounded to
 bf16 too, for vdpbf16ps. Either way this is the closer of the two to float64 arithmetic (tests/test_lora_fused.py).
 
-Where: models the engine loads on the CPU with the fused kernels (`cpu_fused_kernels`; lora.py's
-`use_cpu_lora_kernel`), outside autograd, under `lora_kernel=auto` (the default); `per_slot` / `stacked` keep
-torch's ops, as does a CUDA device.
+Where: the plan's `lora=cpp` (engine/executor/plan.py; its default on a CPU where the extension built), outside
+autograd; the other `lora` choices keep torch's ops, as does a CUDA device.
 """
 
 from __future__ import annotations
@@ -28,13 +27,14 @@ from torch import nn
 
 from orthrus_rag.layers.cpu_extension import kernels
 
-# bumped whenever a model's adapters or LoRA settings change: cached groups are rebuilt (read, not called, by the
-# layer loop at every step)
-GENERATION = [0]
 
-
-def adapters_changed() -> None:
-    GENERATION[0] += 1
+def forget_groups(model: nn.Module) -> None:
+    """Drop every cached LoRAGroup of `model` (its LoRA layers' and its fused projections'): the owner of each
+    change to adapters or LoRA settings (layers/lora.py) calls it, and the next use builds the groups anew."""
+    for module in model.modules():
+        module.__dict__.pop("_lora_group", None)
+        for fusion in module.__dict__.get("fusions", {}).values():
+            fusion.__dict__.pop("_lora_group", None)
 
 
 @dataclass
@@ -109,10 +109,9 @@ class LoRAGroup:
 
 
 def cached_group(holder: object, parts: Sequence[nn.Module], sizes: Sequence[int]) -> LoRAGroup | None:
-    """`holder`'s LoRAGroup of `parts`, rebuilt after any adapter change or a move to another dtype; None when no
-    part carries an adapter."""
-    # NOTE: the key read once, before building: a change landing meanwhile makes the next call rebuild
-    key = (GENERATION[0], parts[0].weight.dtype)
+    """`holder`'s LoRAGroup of `parts`, built on first use and after a move to another dtype (`forget_groups`
+    drops it when adapters or LoRA settings change); None when no part carries an adapter."""
+    key = parts[0].weight.dtype
     cached = holder.__dict__.get("_lora_group")
     if cached is None or cached[0] != key:
         group = LoRAGroup(parts, sizes) if any(getattr(p, "scalings", None) for p in parts) else None

@@ -6,6 +6,9 @@ find their target modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,6 +84,29 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+ELEMENTWISE = ("torch", "cpp", "compiled")
+
+
+@lru_cache(maxsize=1)
+def _compiled() -> tuple[Callable, Callable]:
+    # NOTE: compiled once per process, not per model: each compile costs seconds
+    return (torch.compile(apply_rotary, dynamic=True, fullgraph=True),
+            torch.compile(silu_mul, dynamic=True, fullgraph=True))
+
+
+def elementwise_ops(kind: str) -> tuple[Callable, Callable]:
+    """(rotary, SiLU-and-mul) of an elementwise implementation: "torch" (eager ops), "cpp" (the fused C++ kernels
+    of layers/cpu_elementwise.py: fp32 or bf16 on the CPU) or "compiled" (torch.compile: Triton on CUDA, two
+    launches where eager mode takes ten per layer)."""
+    if kind == "cpp":
+        return cpu_elementwise.rotary, cpu_elementwise.silu_mul
+    if kind == "compiled":
+        return _compiled()
+    if kind != "torch":
+        raise ValueError(f"unknown elementwise implementation {kind!r}; expected {', '.join(ELEMENTWISE)}")
+    return apply_rotary, silu_mul
+
+
 def _layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -114,7 +140,7 @@ class Attention(nn.Module):
         if config.model_type in QK_NORM_MODEL_TYPES:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = apply_rotary  # CausalLM.compile_elementwise swaps in a fused kernel
+        self.rotary = apply_rotary  # CausalLM.set_elementwise: the plan's implementation
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -142,7 +168,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         act = getattr(config, "hidden_act", None) or config.hidden_activation  # NOTE: Gemma names it differently
         self.act = ACT2FN[act]
-        self.act_mul = silu_mul if act == "silu" else (lambda gate, up: self.act(gate) * up)
+        self.silu = act == "silu"  # NOTE: only SiLU has fused implementations (CausalLM.set_elementwise)
+        self.act_mul = silu_mul if self.silu else (lambda gate, up: self.act(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self, "gate_up", self.GATE_UP, x)
@@ -173,10 +200,9 @@ class DecoderLayer(nn.Module):
 
 
 def _loop_covers(layer: nn.Module) -> bool:
-    """Whether the C++ layer loop computes all of `layer`: a plain Llama layer on the fused CPU kernels."""
+    """Whether the C++ layer loop computes all of `layer` (its model on the fused kernels): a plain Llama layer."""
     att, mlp = layer.self_attn, layer.mlp
-    return (type(layer) is DecoderLayer and att.q_norm is None and att.rotary is cpu_elementwise.rotary
-            and mlp.act_mul is cpu_elementwise.silu_mul
+    return (type(layer) is DecoderLayer and att.q_norm is None and mlp.silu
             and set(getattr(att, "fusions", {})) == {"qkv"} and set(getattr(mlp, "fusions", {})) == {"gate_up"}
             and isinstance(att.o_proj, nn.Linear) and isinstance(mlp.down_proj, nn.Linear))
 
@@ -189,6 +215,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.config = config
         self._fused_norms = False
+        self.elementwise = "torch"  # rotary and SiLU-mul's implementation (CausalLM.set_elementwise)
         self._layer_loop: LayerLoop | None = None
         self._run_layers = self._plain_layers  # the layers' path: chosen when the two settings below are set
         self.init_rotary()
@@ -273,30 +300,32 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def compile_elementwise(self) -> None:
-        """Rotary embedding and SiLU-and-multiply as fused kernels (torch.compile: Triton on CUDA, C++ on CPU):
-        two launches where eager mode takes ten per layer. RMSNorm is already one fused op (F.rms_norm)."""
-        rotary = torch.compile(apply_rotary, dynamic=True, fullgraph=True)
-        act_mul = torch.compile(silu_mul, dynamic=True, fullgraph=True)
-        for layer in self.model.layers:
+    def set_elementwise(self, kind: str) -> None:
+        """Rotary and SiLU-and-mul as `kind` (`elementwise_ops`: "torch", "cpp", "compiled"), as the execution plan
+        decides (engine/executor/plan.py); "cpp" also fuses each residual add into the norm after it. Any other
+        kind drops the C++ layer loop, which calls the fused kernels."""
+        rotary, act_mul = elementwise_ops(kind)
+        model = self.model
+        for layer in model.layers:
             layer.self_attn.rotary = rotary
-            if layer.mlp.act_mul is silu_mul:
+            if layer.mlp.silu:
                 layer.mlp.act_mul = act_mul
-
-    def use_cpu_kernels(self) -> None:
-        """Residual add + RMSNorm, rotary and SiLU-and-mul as the fused C++ kernels of layers/cpu_elementwise.py
-        (fp32 or bf16 on the CPU; callers check `cpu_elementwise.available`)."""
+        model.elementwise = kind
         # NOTE: only plain RMSNorms fuse: Gemma 3's are (1 + w) x / rms, and a full-delta adapter wraps a norm in
         # a RowDeltaModule whose per-slot deltas the fused call would skip
-        model = self.model
-        model.fused_norms = isinstance(model, DecoderModel) and all(
+        model.fused_norms = kind == "cpp" and isinstance(model, DecoderModel) and all(
             type(norm) is RMSNorm for norm in [model.norm, *(n for layer in model.layers
                                                              for n in (layer.input_layernorm,
                                                                        layer.post_attention_layernorm))])
-        for layer in self.model.layers:
-            layer.self_attn.rotary = cpu_elementwise.rotary
-            if layer.mlp.act_mul is silu_mul:
-                layer.mlp.act_mul = cpu_elementwise.silu_mul
+        if kind != "cpp" and isinstance(model, DecoderModel):
+            model.layer_loop = None
+
+    def compile_elementwise(self) -> None:
+        self.set_elementwise("compiled")
+
+    def use_cpu_kernels(self) -> None:
+        """The fused C++ kernels (fp32 or bf16 on the CPU; callers check `cpu_elementwise.available`)."""
+        self.set_elementwise("cpp")
 
     def use_cpu_layer_loop(self) -> bool:
         """After `use_cpu_kernels`: every step that the layer loop supports runs all layers in one C++ call
@@ -307,6 +336,13 @@ class CausalLM(nn.Module):
             return False
         model.layer_loop = LayerLoop(model)
         return True
+
+    def kernel_inputs_changed(self) -> None:
+        """After packing or adapters changed (layers/linear.py, layers/lora.py): the C++ layer loop gathers its
+        arguments anew."""
+        loop = getattr(self.model, "layer_loop", None)
+        if loop is not None:
+            loop.refresh()
 
     def fuse_projections(self) -> None:
         """Q/K/V and gate/up as one GEMM each (layers/fused.py). Call once the weights are on their device."""

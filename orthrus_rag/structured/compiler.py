@@ -1,6 +1,6 @@
 """Grammars from constraints, compiled once per model and constraint, and a fresh matcher per request.
 
-llguidance is the library (scripts/bench_grammar_backends.py measured it against xgrammar on this project's CPUs:
+llguidance is the library (measured against xgrammar on this project's CPUs, docs/benchmarks/features.md:
 no ahead-of-time compile, so a new schema costs about a millisecond instead of 4-400 ms, and no GPU-oriented
 dependencies). This module is the only one that imports it: the seam is `GrammarCompiler.matcher(spec)`, the
 `Matcher` it returns (consume a token, is it done) and `fill_masks` (a step's rows of masks at once). (budget.py and

@@ -58,6 +58,12 @@ class RunResult:
         return {"label": self.label, "window_s": self.window_s, "warmup_s": self.warmup_s,
                 "records": [asdict(r) for r in self.records], "steps": self.steps, "cpu": self.cpu}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunResult":
+        """`to_dict`'s inverse (a run read back from results.json or from a peer's subprocess)."""
+        return cls(d["label"], d["window_s"], [RequestRecord(**r) for r in d["records"]], d["steps"],
+                   [tuple(c) for c in d["cpu"]], d.get("warmup_s", 0.0))
+
 
 class CpuSampler:
     """Samples CPU use of this process tree every `interval_s` in a daemon thread (psutil, else /proc)."""
@@ -277,3 +283,19 @@ def summarize(result: RunResult) -> dict:
                for key in ("time_capped", "embed_at_risk", "generate_at_risk")})
     out["cpu_mean_pct"] = float(np.mean([c for _, c in result.cpu])) if result.cpu else None
     return out
+
+
+def rows(results: dict[str, dict[str, dict]], groups: list[str]) -> list[dict]:
+    """`summarize()` of every (system, group) run of an experiment's `{system: {group: RunResult dict}}`, ordered by
+    group then system, with `system` and `group`."""
+    out = []
+    for g in groups:
+        for system, runs in results.items():
+            if g in runs:
+                out.append({"system": system, "group": g, **summarize(RunResult.from_dict(runs[g]))})
+    return out
+
+
+def by_group(results: dict[str, dict[str, dict]], group: str) -> dict[str, dict]:
+    """system -> run of one group (what the latency-CDF and step-mix plots take)."""
+    return {system: runs[group] for system, runs in results.items() if group in runs}

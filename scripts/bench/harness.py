@@ -6,12 +6,14 @@ A load experiment module (scripts/bench/experiments/) provides
   an arrival rate; `session.reset()` gives a fresh system when leftovers would spoil the next group), and
 - `report(cfg, results, out)`: JSON, markdown and PNGs from `{system: {group: RunResult dict}}`;
 `scripts/benchmark.py` calls `run_experiment` and then `report`. Experiments that drive their own runs
-(iter_retgen, chunk_equivalence) provide `main(cfg, out)` instead.
+(iter_retgen, chunk_equivalence) provide `main(cfg, out)` instead. Every experiment module has a `CONFIG` (YAML: its
+settings over bench.yaml's), which scripts/benchmark.py registers as the option `experiment=<module name>`.
 
 Every system is an `EngineClient` (`open_client` for this project's policies and deployments, `RemoteClient` for
-`remote:<base URL>`, a running server; `DeploymentClient` over a peer); a peer (`vllm`, `hf`) runs the same `run_system`
-in a subprocess (`peer_main.py`) under `peers_python` (vLLM lives in its own venv, `make peers`) and hands back its
-results as JSON, so every system of one experiment is measured by the same driver code in the same command.
+`remote:<base URL>`, a running server; `DeploymentClient` over a peer); a peer (`vllm`, `hf`) runs the same
+`run_system` in a subprocess (`scripts/peer.py experiment`) under `peers_python` (vLLM lives in its own venv:
+`make peers`) and hands back its results as JSON, so every system of one experiment is measured by the same driver
+code in the same command.
 """
 
 from __future__ import annotations
@@ -41,6 +43,23 @@ from .workloads import Workload, make_request
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
+
+
+def register_experiments() -> list[str]:
+    """Each module of scripts/bench/experiments/ as an option of the Hydra group `experiment` of bench.yaml: its
+    CONFIG over bench.yaml's settings (at the global package, so it may set any key). Whatever composes bench.yaml
+    calls this first. Returns their names."""
+    import importlib
+
+    from hydra.core.config_store import ConfigStore
+
+    names = sorted(p.stem for p in EXPERIMENTS.glob("*.py") if not p.stem.startswith("_"))
+    for name in names:
+        config = importlib.import_module(f".experiments.{name}", __package__).CONFIG
+        ConfigStore.instance().store(group="experiment", name=name, node=OmegaConf.create(config),
+                                     package="_global_")
+    return names
 
 
 class Session:
@@ -158,8 +177,8 @@ def run_peer(peer: str, cfg: DictConfig, experiment: str) -> dict[str, dict] | N
     with tempfile.TemporaryDirectory(prefix=f"bench_{peer}_") as tmp:
         cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "results.json"
         cfg_path.write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True)))
-        cmd = [python, str(Path(__file__).with_name("peer_main.py")), "--experiment", experiment,
-               "--system", peer, "--config", str(cfg_path), "--out", str(out_path)]
+        cmd = [python, str(ROOT / "scripts" / "peer.py"), "experiment", "--peer", peer, "--experiment", experiment,
+               "--config", str(cfg_path), "--out", str(out_path)]
         logger.info("peer %s: %s", peer, " ".join(cmd))
         run_group = _peer_helpers().run_group
         try:
@@ -173,6 +192,11 @@ def run_peer(peer: str, cfg: DictConfig, experiment: str) -> dict[str, dict] | N
             logger.error("peer %s failed (exit code %s); its rows are missing", peer, returncode)
             return None
         return json.loads(out_path.read_text())
+
+
+def first_peer(cfg: DictConfig, results: dict) -> str | None:
+    """The first of `cfg.peers` with results: the second reference of the ratio columns."""
+    return next((p for p in cfg.peers if p in results), None)
 
 
 def run_experiment(cfg: DictConfig, exp: ModuleType, experiment: str) -> dict[str, dict[str, dict]]:

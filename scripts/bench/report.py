@@ -202,11 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     """Redraw the plots of committed benchmark result files."""
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="report.py",
-        description="Redraw benchmark plots from result files (docs/benchmarks/results/*.json). Each file names "
-                    "the script that owns its plots (key \"script\"); that script's plot_results(results, out_dir) "
-                    "draws the PNGs listed under \"plots\".")
+    parser = argparse.ArgumentParser(prog="report.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path, help="result JSON files to redraw")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for the PNGs (default: img/ next to the results/ folder of each file, "

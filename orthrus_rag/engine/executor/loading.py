@@ -13,9 +13,8 @@ from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.embedding_formats import adapter_prefixes
-from orthrus_rag.layers import cpu_elementwise
-from orthrus_rag.layers.linear import (ROW_BUCKETS, check_packable, choose_kernel, linear_shapes, onednn_available,
-                                       pack_linears, packed_layout)
+from orthrus_rag.engine.executor.plan import choose_encoder, choose_layers, choose_linears, choose_lora
+from orthrus_rag.layers.linear import ROW_BUCKETS, choose_kernel, linear_shapes, onednn_available, pack_linears
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
 from orthrus_rag.machine import ONEDNN_BF16_FLAGS, machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
@@ -61,29 +60,44 @@ def load_models(config: EngineConfig) -> LoadedModels:
                          f"{', '.join(list(mc.adapters) + [str(p) for p in mc.embedding_adapters])}")
     if loaded:
         slots = attach_adapters(model, loaded)
-        set_lora_kernel(model, mc.lora_kernel)
     encoder = encoder_tokenizer = None
     encoder_pooling: dict = {}
     if mc.embedding_model is not None:
         enc_path = resolve_model_path(mc.embedding_model)
         logger.info("loading embedding model %s (%s on %s) from %s", mc.embedding_model, dtype, mc.device, enc_path)
         encoder = BertEncoder.from_pretrained(enc_path, mc.torch_dtype, mc.device).eval()
-        encoder.cpu_attention_kernel = mc.cpu_prefill_kernel
         encoder_tokenizer = AutoTokenizer.from_pretrained(str(enc_path))
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
-    if mc.compile_elementwise and torch.device(mc.device).type == "cuda":
-        model.compile_elementwise()
-    if mc.cpu_fused_kernels and torch.device(mc.device).type == "cpu" and cpu_elementwise.available(mc.torch_dtype):
-        model.use_cpu_kernels()
-        use_cpu_lora_kernel(model)  # adapter updates through the C++ kernel under lora_kernel=auto
-    _pack(mc.linear_kernel, model, encoder, mc.torch_dtype, mc.device)
-    if mc.cpu_layer_loop and getattr(model.model, "fused_norms", False) and not model.use_cpu_layer_loop():
-        logger.info("cpu_layer_loop: %s's layers keep the Python loop", type(model).__name__)
-    if (loop := getattr(model.model, "layer_loop", None)) is not None:
-        loop.split = mc.cpu_layer_split
+    apply_kernels(mc.requested_kernels(), model, encoder, mc.torch_dtype, torch.device(mc.device))
     return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling)
+
+
+def apply_kernels(want: dict[str, str], model: torch.nn.Module, encoder: torch.nn.Module | None, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """Put the loaded model and encoder on the implementations the plan chooses for `want` (each part's requested
+    choice, config/kernels.py): the layers' elementwise kernels and driver, LoRA, packed linears, the encoder's
+    attention. The runner applies the parts it owns (attention, sampler, CUDA graphs)."""
+    layers = choose_layers(want["layers"], device, dtype)
+    model.set_elementwise({"split": "cpp", "loop": "cpp", "fused": "cpp"}.get(layers, layers))
+    lora = choose_lora(want["lora"], device, dtype)
+    set_lora_kernel(model, lora if lora in ("per_slot", "stacked") else "auto")
+    use_cpu_lora_kernel(model, lora == "cpp")
+    if encoder is not None:
+        head_dim = encoder.config.hidden_size // encoder.config.num_attention_heads
+        encoder.cpu_attention_kernel = choose_encoder(want["encoder_attention"], device, dtype, head_dim) == "cpp"
+    _pack(choose_linears(want["linears"], device, dtype), model, encoder, dtype, str(device))
+    # NOTE: last: the layer loop gathers the packed weights and the adapters as they are now
+    if layers in ("split", "loop") and not model.use_cpu_layer_loop():
+        if want["layers"] != "auto":
+            raise ValueError(f"model.kernel_overrides: layers={layers} cannot run {type(model).__name__}'s layers "
+                             "(the C++ loop takes plain Llama layers with fused norms: no per-head norms, no "
+                             "full-delta adapters); use fused, torch or auto")
+        logger.info("layers: %s's layers keep the Python loop of the fused kernels", type(model).__name__)
+    if (loop := getattr(model.model, "layer_loop", None)) is not None and layers == "loop":
+        loop.split = False
+        loop.refresh()  # NOTE: without the split's second packed copy of the weights
 
 
 def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, dtype: torch.dtype,
@@ -117,8 +131,6 @@ def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, 
 
 def _packed_from(kernel: str, shapes: list[tuple[int, int]], dtype: torch.dtype, device: str) -> int | None:
     """The row count from which these shapes take their oneDNN copy; None: dense weights only."""
-    if kernel == "onednn" and torch.device(device).type == "cpu":
-        check_packable(dtype)  # NOTE: asked for by name: refused in one line, not by torch's reorder mid-load
     if kernel == "dense" or not onednn_available(dtype, device):
         if kernel == "auto" and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             logger.debug("bf16 linears stay dense: oneDNN's packed bf16 path needs %s", ONEDNN_BF16_FLAGS)
@@ -128,7 +140,7 @@ def _packed_from(kernel: str, shapes: list[tuple[int, int]], dtype: torch.dtype,
     # NOTE: measured once per machine and remembered: a timing near the threshold must not flip between runs
     # (a run resumed in a new process would compute other bits)
     # NOTE: the packed layout and the dtype are part of the key: a choice timed against another packing is stale
-    parts = ("linear", torch.get_num_threads(), sorted(set(shapes)), str(dtype), packed_layout(), ROW_BUCKETS)
+    parts = ("linear", torch.get_num_threads(), sorted(set(shapes)), str(dtype), "blocked", ROW_BUCKETS)
     key = machine_key(*parts)
     choice = remembered(cache_root() / "linear_kernel.json", key,
                         lambda: str(choose_kernel(shapes, dtype=dtype) or "dense"))

@@ -19,11 +19,10 @@ from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.core.request import Request
 from orthrus_rag.engine.core.scheduler import SchedulerOutput
 from orthrus_rag.engine.executor.cuda_graphs import DecodeGraphs
-from orthrus_rag.layers.attention import AttentionMetadata, build_metadata, grouped, select_backend
-from orthrus_rag.layers.attention.cpu_kernels import decode_kernel_available
-from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_available
+from orthrus_rag.engine.executor.plan import (choose_attention, choose_cuda_graphs, choose_decode, choose_prefill,
+                                               choose_sampler)
+from orthrus_rag.layers.attention import AttentionMetadata, build_metadata
 from orthrus_rag.layers.context import ForwardContext, forward_context
-from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.lora import flat_lora_rows
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
 from orthrus_rag.layers.sampler import Sampler, token_logprobs
@@ -54,9 +53,10 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, dtype: torch.dtype,
                  encoder: torch.nn.Module | None = None, max_seq_len: int = 0, eos_token_id: int | None = None) -> None:
-        """`num_blocks` KV blocks of `config.cache.block_size` tokens in `dtype` (the model's); the kernels and the
-        attention backend as `config.model` chooses them; steps of at most `config.scheduler`'s token budget."""
-        mc, device = config.model, torch.device(config.model.device)
+        """`num_blocks` KV blocks of `config.cache.block_size` tokens in `dtype` (the model's); attention, sampler and
+        CUDA graphs as the execution plan chooses them for `config.model`'s kernels (engine/executor/plan.py); steps
+        of at most `config.scheduler`'s token budget."""
+        want, device = config.model.requested_kernels(), torch.device(config.model.device)
         block_size, max_num_batched_tokens = config.cache.block_size, config.scheduler.max_num_batched_tokens
         self.model = model
         self.eos_token_id = eos_token_id  # what a constrained row whose grammar allows nothing is left with
@@ -65,11 +65,11 @@ class ModelRunner:
         self.encoder = encoder
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(use_kernel=mc.cpu_sample_kernel and device.type == "cpu")
-        if self.sampler.use_kernel:
-            kernels()  # NOTE: the extension is built here, at start-up, not in the first sampled step
+        # NOTE: asking for the sampler builds the extension here, at start-up, not in the first sampled step
+        self.sampler = Sampler(use_kernel=choose_sampler(want["sampler"], device) == "cpp")
         self.windows = {layer.window for layer in model.attention_layers}
-        self.attn_backend = select_backend(mc.attention_backend, device, dtype, model.attention_layers[0].head_dim)
+        head_dim = model.attention_layers[0].head_dim
+        self.attn_backend = choose_attention(want["attention"], device, dtype, head_dim)
         self.num_slots = num_blocks * block_size
         # NOTE: rows past the paged region take the K/V of tokens the cache does not keep (an embedding's final
         # chunk), one per token of a step, so attention reads every key from the cache (layers/context.py)
@@ -80,16 +80,13 @@ class ModelRunner:
             (torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device),
              torch.zeros((rows, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device))
             for layer in model.attention_layers]
-        # CPU, fp32 or bf16: decodes read the paged cache in a C++ kernel (built here, at start-up, if not yet)
-        self.decode_kernel = (mc.cpu_decode_kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                              and decode_kernel_available())
-        # CPU, fp32, or bf16 on AVX512-BF16 (on AMX, the kernel's AMX body): prompt and embedding chunks attend in a
-        # C++ kernel (attention/cpu_prefill.py); bf16 on AMX without that body keeps SDPA, which runs on AMX tiles
-        head_dim = model.attention_layers[0].head_dim
-        self.prefill_kernel = (mc.cpu_prefill_kernel and device.type == "cpu" and self.attn_backend is grouped
-                               and prefill_kernel_available(dtype, head_dim))
+        # CPU: decodes read the paged cache in a C++ kernel, and prompt and embedding chunks attend in one
+        # (attention/cpu_kernels.py, attention/cpu_prefill.py), where the plan takes them
+        self.decode_kernel = choose_decode(want["decode_attention"], device, dtype, self.attn_backend) == "cpp"
+        self.prefill_kernel = choose_prefill(want["prefill_attention"], device, dtype, head_dim,
+                                             self.attn_backend) == "cpp"
         self.decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed as CUDA graphs
-        if mc.cuda_graphs and device.type == "cuda":
+        if choose_cuda_graphs(want["cuda_graphs"], device) == "on":
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.windows, self.num_slots,
                                               min(max_num_batched_tokens, 512), max_seq_len, device)
 

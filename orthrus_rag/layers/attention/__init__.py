@@ -3,7 +3,6 @@ backends that compute it. A backend is a module-like object with `plan(meta, win
 tensors and masks every layer reuses) and `forward(q, k, v, k_cache, v_cache, meta, scale, window)` (per layer).
 
 - `grouped`: padded groups of similar sequences, one SDPA each (CPU; any device, any dtype: the fallback).
-- `reference`: one SDPA per sequence (tests).
 - `varlen`: flash varlen attention on CUDA (orthrus_rag.layers.attention.varlen), where its kernel takes the
   model's dtype, head size and windows.
 """
@@ -15,11 +14,11 @@ from types import ModuleType
 
 import torch
 
-from orthrus_rag.layers.attention import grouped, reference, varlen
+from orthrus_rag.layers.attention import grouped, varlen
 from orthrus_rag.layers.context import AttentionMetadata, build_metadata, key_slots
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("auto", "grouped", "reference", "varlen")
+BACKENDS = ("auto", "grouped", "varlen")
 
 __all__ = ["AttentionMetadata", "BACKENDS", "build_metadata", "key_slots", "select_backend"]
 
@@ -34,8 +33,6 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
     cannot run is a ValueError at start-up, not a failed first step."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
-    if name == "reference":
-        return reference
     if name == "grouped":
         return grouped
     why_not = varlen.unsupported(device, dtype, head_dim)

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_available
+from orthrus_rag.layers.attention.cpu_prefill import prefill_kernel_runs
 from orthrus_rag.layers.cpu_extension import kernels
 
 
 def encoder_kernel_available(q: torch.Tensor) -> bool:
     """Whether q [T, H, D] (and k, v like it) can run on the kernel here (it has no backward: a forward that
-    records gradients keeps SDPA)."""
+    records gradients keeps SDPA). Whether the engine asks for it is the plan's `encoder_attention` (on an AMX CPU
+    without the kernel's AMX body, `auto` keeps SDPA: `prefill_kernel_available`)."""
     return (q.device.type == "cpu" and not (q.requires_grad and torch.is_grad_enabled())
-            and prefill_kernel_available(q.dtype, q.shape[-1]))
+            and prefill_kernel_runs(q.dtype, q.shape[-1]))
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,

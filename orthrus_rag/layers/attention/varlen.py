@@ -1,23 +1,19 @@
 """Flash varlen attention on CUDA (`torch.nn.attention.varlen.varlen_attn`): one kernel per layer for the whole
 step, cost Σ over sequences of (new tokens x keys).
 
-torch exposes it from 2.10 on; its arguments grew: 2.11 takes (query, key, value, cu_seq_q, cu_seq_k, max_q,
-max_k, *, scale, window_size), 2.13 adds `enable_gqa`, `seqused_k` and `block_table`. This backend gathers each
-sequence's keys from the paged cache into one packed [Σ keys, KVH, D] tensor (one `index_select` per tensor,
-indices planned once per step) and passes cumulative key lengths, which every version takes; KV heads are
-expanded where `enable_gqa` is missing. Causal masking is flash attention's bottom-right aligned one
+It takes (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa) in torch 2.13,
+the oldest torch the project supports. This backend gathers each sequence's keys from the paged cache into one
+packed [Σ keys, KVH, D] tensor (one `index_select` per tensor, indices planned once per step) and passes
+cumulative key lengths. Causal masking is flash attention's bottom-right aligned one
 (`window_size=(-1, 0)`): query j of a sequence with n new and L keys sees keys up to L - n + j, which is what a
 chunk after a cached prefix needs. A sliding window W is `window_size=(W - 1, 0)`.
 
 What the kernel takes (`unsupported` says why not, and the backend choice falls back to grouped SDPA): CUDA,
-fp16 / bf16 only (flash attention has no fp32 kernel), a head size that is a multiple of 8 up to 256, and a
-`window_size` argument (torch 2.10's varlen_attn has only `is_causal`, aligned in a way this backend does not
-rely on).
+fp16 / bf16 only (flash attention has no fp32 kernel), and a head size that is a multiple of 8 up to 256.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,11 +35,6 @@ DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
-def takes_window() -> bool:
-    fn = _varlen_attn()
-    return fn is not None and "window_size" in inspect.signature(fn).parameters
-
-
 def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why this backend cannot run a model in `dtype` with `head_dim` on `device`, or None when it can."""
     if device.type != "cuda":
@@ -56,15 +47,7 @@ def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
         return f"flash attention takes float16 / bfloat16, not {dtype}"
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
         return f"flash attention takes head sizes that are multiples of 8 up to {MAX_HEAD_DIM}, not {head_dim}"
-    if not takes_window():
-        return f"torch {torch.__version__}'s varlen_attn has no window_size (causal masking after a cached prefix)"
     return None
-
-
-@lru_cache(maxsize=1)
-def takes_gqa() -> bool:
-    fn = _varlen_attn()
-    return fn is not None and "enable_gqa" in inspect.signature(fn).parameters
 
 
 @dataclass
@@ -96,12 +79,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     v_cache.index_copy_(0, meta.slot_mapping, v)
     p: VarlenPlan = meta.plan
     keys, values = k_cache.index_select(0, p.key_slots), v_cache.index_select(0, p.key_slots)
-    extra = {}
-    if q.shape[1] != keys.shape[1]:
-        if takes_gqa():
-            extra["enable_gqa"] = True
-        else:  # torch 2.11: expand KV heads to the query heads (HF's repeat_kv order)
-            reps = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(reps, dim=1), values.repeat_interleave(reps, dim=1)
     return _varlen_attn()(q, keys, values, meta.query_start_loc, p.cu_seq_k, p.max_q, p.max_k, scale=scale,
-                          window_size=window_size(window), **extra)
+                          window_size=window_size(window), enable_gqa=q.shape[1] != keys.shape[1])

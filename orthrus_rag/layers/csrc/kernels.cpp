@@ -28,6 +28,53 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
   m.def("lora_bf16_pairs", torch::wrap_pybind_function(lora_bf16_pairs), "lora_bf16_pairs");
-  m.def("layer_loop", torch::wrap_pybind_function(layer_loop), "layer_loop");
   m.def("layer_loop_pointwise", torch::wrap_pybind_function(layer_loop_pointwise), "layer_loop_pointwise");
+  // the layer loop (layer_loop.h): its model's arguments, built once; a step's, built per step; the loop itself
+  namespace py = pybind11;
+  using Tensors = std::vector<torch::Tensor>;
+  using Ints = std::vector<int64_t>;
+  py::class_<LoopModel>(m, "LayerLoopModel", "The layer loop's arguments that hold for every step of one model")
+      .def(py::init([](Tensors weights, std::vector<double> eps, Ints windows, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t intermediate, double scale, Tensors packed_weights,
+                       int64_t packed_from, Tensors adapter_tensors, Ints adapter_ints,
+                       std::vector<double> adapter_scales) {
+             return std::make_unique<LoopModel>(std::move(weights), std::move(eps), std::move(windows), heads,
+                                                kv_heads, head_dim, intermediate, scale, std::move(packed_weights),
+                                                packed_from, std::move(adapter_tensors), std::move(adapter_ints),
+                                                std::move(adapter_scales));
+           }),
+           py::kw_only(), py::arg("weights"), py::arg("eps"), py::arg("windows"), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("scale"),
+           py::arg("packed_weights") = Tensors{}, py::arg("packed_from") = 0, py::arg("adapter_tensors") = Tensors{},
+           py::arg("adapter_ints") = Ints{}, py::arg("adapter_scales") = std::vector<double>{})
+      .def("set_split", torch::wrap_pybind_function([](LoopModel& self, Tensors parts, Ints cols) {
+             self.set_split(std::move(parts), std::move(cols));
+           }), py::arg("parts"), py::arg("cols"))
+      .def_property_readonly("layers", &LoopModel::layers)
+      .def_readonly("heads", &LoopModel::heads)
+      .def_readonly("kv_heads", &LoopModel::kv_heads)
+      .def_readonly("head_dim", &LoopModel::head_dim)
+      .def_readonly("intermediate", &LoopModel::intermediate)
+      .def_readonly("packed_from", &LoopModel::packed_from)
+      .def_property_readonly("packed", [](const LoopModel& self) { return !self.packed_weights.empty(); })
+      .def_property_readonly("split_threads", [](const LoopModel& self) {
+        return self.split ? self.split->count() : int64_t{0};
+      });
+  py::class_<LoopStep>(m, "LayerLoopStep", "One step's arguments of the layer loop: its attention plan, its adapter "
+                                           "rows, whether it takes the column-split form")
+      .def(py::init([](torch::Tensor slot_mapping, Tensors chunks, Tensors groups, Ints q_all, bool identity,
+                       Tensors sdpa, Ints sdpa_ints, Ints mask_windows, Ints lora_slots, Tensors lora_rows,
+                       bool split) {
+             return LoopStep{std::move(slot_mapping), std::move(chunks), std::move(groups), std::move(q_all),
+                             identity, std::move(sdpa), std::move(sdpa_ints), std::move(mask_windows),
+                             std::move(lora_slots), std::move(lora_rows), split};
+           }),
+           py::kw_only(), py::arg("slot_mapping"), py::arg("chunks") = Tensors{}, py::arg("groups") = Tensors{},
+           py::arg("q_all") = Ints{}, py::arg("identity") = false, py::arg("sdpa") = Tensors{},
+           py::arg("sdpa_ints") = Ints{}, py::arg("mask_windows") = Ints{}, py::arg("lora_slots") = Ints{},
+           py::arg("lora_rows") = Tensors{}, py::arg("split") = false)
+      .def_readonly("identity", &LoopStep::identity)
+      .def_readonly("split", &LoopStep::split);
+  m.def("layer_loop", torch::wrap_pybind_function(layer_loop), "layer_loop", py::arg("model"), py::arg("h"),
+        py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("step"));
 }

@@ -29,10 +29,11 @@ template <typename K> typename K::S* ptr(const at::Tensor& t) {
   else return elementwise::bits(t);
 }
 
-// The parts as cpu_layer_split.py gathers them: w[(layer * P + p) * kPartTensors + j], cols[p * kPartInts + k].
+// The parts as cpu_layer_split.py gathers them: w[(layer * P + p) * kPartTensors + j], cols[p * kPartInts + k]. The
+// loop's model arguments hold them (layer_loop.h's LoopModel::set_split, which checks them against the model).
 struct Parts {
-  const std::vector<at::Tensor>& w;
-  const std::vector<int64_t>& cols;
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> cols;
   int64_t count() const { return static_cast<int64_t>(cols.size()) / kPartInts; }
   const at::Tensor* of(int64_t layer, int64_t p) const { return w.data() + (layer * count() + p) * kPartTensors; }
   int64_t start(int64_t p, int64_t k) const { return cols[p * kPartInts + k]; }
@@ -133,7 +134,8 @@ void mlp(const Parts& parts, int64_t layer, const at::Tensor& o_in, const at::Te
   run(P, phases);
 }
 
-// The parts' shapes against the model's (before any thread runs: a wrong argument fails here, not mid-region).
+// The parts' shapes against the model's, when the loop's model arguments take them (LoopModel::set_split): wrong
+// parts are refused there, before any step's threads run, not mid-region.
 inline void check(const Parts& parts, int64_t layers, int64_t qkv_width, int64_t hidden, int64_t inter,
                   int64_t dim) {
   const int64_t P = parts.count();

@@ -16,6 +16,23 @@ from ..report import _plt, _save, caption, result_rows, write_json
 from ..workloads import make_text
 
 logger = logging.getLogger(__name__)
+# `experiment=chunk_equivalence` (scripts/benchmark.py): these settings over bench.yaml's, any key of it
+CONFIG = """
+# Paper: min cosine similarity of chunked vs whole-sequence embeddings per pooler and chunk size.
+# Here: SmolLM2 backbone, 4 texts of 384 words (384 tokens: the workload's words are one token each; 48
+# words for chunks below 16 tokens),
+# every pooler, chunk sizes 1 to 512, against transformers' own hidden states pooled at once.
+experiment:
+  name: chunk_equivalence
+  poolers: [mean, weighted_mean, cls, first, last, all]
+  chunk_sizes: [1, 7, 16, 64, 128, 512]
+  num_texts: 4
+  words: 384
+  short_words: 48
+  min_chunk_for_long: 16
+systems: []
+peers: []
+"""
 
 
 def reference(hf, tokenizer, ids: list[int], params) -> torch.Tensor:

@@ -3,7 +3,7 @@ latency, with answer quality alongside (it should not change with the policy bey
 
 Each policy or deployment is one `orthrus-rag run` (the command a user runs: `scheduler=orthrus`, ...,
 `deploy=dedicated`), in its own process, into `out/<system>/`; a peer runs the same app through
-`peer_app.py` under its own interpreter. The table is built from the runs' summary.json and records.jsonl.
+`scripts/peer.py run` under its own interpreter. The table is built from the runs' summary.json and records.jsonl.
 `plot_results` redraws the committed figures (docs/benchmarks/results/methods-*.json) through
 scripts/bench/report.py; the page is docs/benchmarks/methods.md."""
 
@@ -25,6 +25,30 @@ from ..peer_client import PEERS
 from ..report import _fmt, _plt, _save, style_bars, write_json
 
 logger = logging.getLogger(__name__)
+# `experiment=iter_retgen` (scripts/benchmark.py): these settings over bench.yaml's, any key of it
+CONFIG = """
+# Paper: Iter-RetGen on 2WikiMultihopQA (500 questions, text-davinci-003). Here: the first `limit` questions of
+# the 2WikiMultihopQA dev file at `dataset_path` (override it: experiment.dataset_path=dev.jsonl), all in flight
+# at once, 2 iterations, top-5, 3-shot prompts of ~1,000 tokens, SmolLM2 generating and all-MiniLM-L6-v2
+# embedding. Every system runs the same `orthrus-rag run`:
+# the four policies in one engine (both cores), the dedicated and disagg-pd deployments (one core per worker),
+# and the peers (vLLM: two engines, one core each; built by `make peers`) through `scripts/peer.py run`.
+experiment:
+  name: iter_retgen
+  dataset_path: dev.jsonl  # the 2WikiMultihopQA dev file you downloaded
+  app_experiment: 2wiki_dev200
+  limit: 40
+  # the methods to compare (`pipeline=<name>` of each run, into out/<method>/<system>/, with one table of
+  # all); null: the app experiment's own (Iter-RetGen), into out/<system>/
+  methods: null
+  policies: [orthrus, qlen-priority, hetero-fcfs, unified-homo, dedicated, disagg-pd]
+  peers: [vllm]  # null: the shared `peers` list; the transformers peer (`hf`) works too but takes far longer
+  overrides: []  # more `orthrus-rag run` overrides, e.g. ["model=smollm2_backbone", "pipeline.max_tokens=64"]
+  timeout_s: 3600
+peer_options:
+  vllm:
+    max_model_len: 8192  # SmolLM2's window, as this engine allows: the longest 3-shot prompts pass 2,048 tokens
+"""
 # bench.yaml's nodes that every system's `orthrus-rag run` shares, key by key (they are the CLI's nodes); the model
 # is the app experiment's
 SHARED_NODES = ("cache", "scheduler")
@@ -59,7 +83,7 @@ def _override_value(value: object) -> str:
 
 def system_command(cfg: DictConfig, system: str, run_dir: Path, method: str | None = None) -> list[str] | None:
     """The command that runs the app's method (`method`: `pipeline=<method>`; None: the app experiment's,
-    Iter-RetGen) on `system`: `orthrus-rag run scheduler=<policy>` or `deploy=<deployment>`, or peer_app.py under
+    Iter-RetGen) on `system`: `orthrus-rag run scheduler=<policy>` or `deploy=<deployment>`, or `peer.py run` under
     the peer's interpreter (None when that is not installed)."""
     shared = app_overrides(cfg, run_dir) + ([f"pipeline={method}"] if method is not None else [])
     if system in PEERS:
@@ -68,7 +92,7 @@ def system_command(cfg: DictConfig, system: str, run_dir: Path, method: str | No
             return None
         opts = cfg.peer_options.get(system)
         options = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
-        return [python, str(Path(__file__).resolve().parents[1] / "peer_app.py"), "--peer", system,
+        return [python, str(ROOT / "scripts" / "peer.py"), "run", "--peer", system,
                 "--options", json.dumps(options), "--", *shared]
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; expected one of {', '.join((*SYSTEMS, *PEERS))}")

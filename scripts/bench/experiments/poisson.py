@@ -9,13 +9,23 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
-from ..driver import RunResult, open_loop
-from ..harness import Session, workload
+from ..driver import RunResult, by_group, open_loop
+from ..harness import Session, first_peer, workload
 from ..report import _fmt, _plt, _save, caption, plot_latency_cdf, result_rows, write_json
 from ..workloads import poisson
-from .common import by_group, first_peer
 
 logger = logging.getLogger(__name__)
+# `experiment=poisson` (scripts/benchmark.py): these settings over bench.yaml's, any key of it
+CONFIG = """
+# Paper: Poisson arrivals at several rates, latency-throughput curves per policy. Here: half embeddings,
+# 25 s of arrivals per rate (then the backlog drains), rates from light load to past saturation.
+experiment:
+  name: poisson
+  rates: [4, 8, 16]
+  embed_fraction: 0.5
+  duration_s: 25
+  drain_timeout_s: 180
+"""
 KINDS = ("embed", "generate")
 
 

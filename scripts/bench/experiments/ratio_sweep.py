@@ -8,8 +8,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..driver import RunResult, closed_loop, summarize
-from ..harness import Session, workload
+from ..driver import RunResult, by_group, closed_loop, rows, summarize
+from ..harness import Session, first_peer, workload
 from ..report import (
     _plt,
     _save,
@@ -22,9 +22,22 @@ from ..report import (
     write_json,
 )
 from ..workloads import mixed_stream
-from .common import by_group, first_peer, rows
 
 logger = logging.getLogger(__name__)
+# `experiment=ratio_sweep` (scripts/benchmark.py): these settings over bench.yaml's, any key of it
+CONFIG = """
+# Paper: 64 closed-loop clients x 120 s per mix, inputs of 128 words, max_tokens 150 at temperature 0.7.
+# Here: 64 clients x 35 s per mix, of which the first 10 s are warm-up (not counted), 16-48 words,
+# 16-48 tokens (ignore_eos: a generation's work is its drawn length on every system).
+experiment:
+  name: ratio_sweep
+  ratios: ["9:1", "7:3", "5:5", "3:7", "1:9"]
+  clients: 64
+  duration_s: 35
+  warmup_s: 10
+  drain_timeout_s: 120
+  fresh_system_per_mix: false  # true: a new engine per mix (slower; leftovers restart it anyway)
+"""
 
 
 def run_system(session: Session, cfg: DictConfig) -> dict[str, RunResult]:

@@ -11,12 +11,22 @@ import numpy as np
 from omegaconf import DictConfig
 
 from ..driver import RunResult, closed_loop
-from ..harness import Session, workload
+from ..harness import Session, first_peer, workload
 from ..report import _fmt, _plt, _save, caption, plot_latency_cdf, plot_step_mix, result_rows, write_json
 from ..workloads import three_phase
-from .common import first_peer
 
 logger = logging.getLogger(__name__)
+# `experiment=three_phase` (scripts/benchmark.py): these settings over bench.yaml's, any key of it
+CONFIG = """
+# Paper: 250 requests per phase (10% / 50% / 90% embeddings), at most C in flight. Here: 200 per phase,
+# 64 clients, the shared workload sizes (32 words, 32 tokens).
+experiment:
+  name: three_phase
+  per_phase: 200
+  fractions: [0.1, 0.5, 0.9]
+  clients: 64
+  drain_timeout_s: 600
+"""
 GROUP = "all"
 
 

@@ -1,4 +1,5 @@
-"""Per-sequence SDPA: the reference every attention backend is tested against (slow: a call per sequence)."""
+"""Per-sequence SDPA: the reference every attention backend is tested against (slow: a call per sequence). A backend
+module in form (`plan`, `forward`), kept with the tests: the engine never runs it."""
 
 from __future__ import annotations
 
