@@ -26,9 +26,13 @@ demo: install
 # ATen, MKL and oneDNN each pick their ISA apart: all three are capped, or torch mixes them (on an AMX CPU, ATen's
 # AVX2 flash attention asks oneDNN, which still sees AMX, to pack bf16 tiles, and raises)
 AVX2_ENV := ORTHRUS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+# Two test workers (pytest-xdist), one thread each: much of a test is waiting (servers starting, Ray, subprocesses)
+# or single-threaded Python; a module's tests stay on one worker, so its fixtures load once (tests/conftest.py)
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: install
-	$(PY) -m pytest -q -m "not bench"
-	$(AVX2_ENV) $(PY) -m pytest -q -m "isa and not gpu and not bench"
+	$(PY) -m pytest -q $(XDIST) -m "not bench"
+	$(AVX2_ENV) $(PY) -m pytest -q $(XDIST) -m "isa and not gpu and not bench"
 
 # the tests of the benchmark and measuring scripts (scripts/): their harness, dry runs and report code
 test-bench: install

@@ -7,8 +7,17 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# NOTE: under pytest-xdist (`make test` runs two workers on two cores) each worker computes on one thread: two
+# workers of two OpenMP threads each on two cores spin against each other; the servers and Ray actors that tests
+# start inherit it through the environment
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # should a plugin have imported torch before OMP_NUM_THREADS was set
 from hypothesis import settings  # noqa: E402
 
 # NOTE: every run replays the same examples, locally and under CI (a red run must mean a change broke something,
@@ -44,10 +53,40 @@ def pytest_configure(config: pytest.Config) -> None:
 MODEL_FIXTURES = {"smol_path", "smol_tokenizer", "hf_smol", "smol_engine", "engine", "served"}
 
 
+# `make test` runs two workers (pytest-xdist, `--dist loadfile`: a module's tests stay on one worker, so its module
+# fixtures are built once). Workers take modules in collection order: the longest ones go first, so that no long
+# module starts last and runs alone; the Ray modules at the two ends, so that they rarely wait on each other's lock.
+FIRST = ("test_ray_serve", "test_deployments", "test_langchain_standard", "test_structured_outputs", "test_resume",
+         "test_method_resume", "test_engine_embed", "test_readme_commands", "test_documents_api")
+LAST = ("test_ray_index",)
+
+
+def _module_rank(item: pytest.Item) -> int:
+    name = item.path.stem
+    return FIRST.index(name) - len(FIRST) if name in FIRST else 1 if name in LAST else 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=_module_rank)  # NOTE: stable: the order within a module is kept
+
+
+@pytest.fixture(scope="module")
+def one_ray_at_a_time(tmp_path_factory):
+    """Held by a module that starts a local Ray for as long as it runs: each takes both CPUs, and two workers' Ray
+    clusters would share them (a file lock beside the workers' temporary folders, which they share)."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    lock = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "ray.lock"
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 SMOL = "smollm2-135m-instruct"

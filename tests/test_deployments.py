@@ -1,5 +1,7 @@
-"""The split baselines (dedicated, disagg-pd) serve exactly what one engine serves, hand KV over without
-recompute, surface worker failures as errors and leave no process behind."""
+"""The split baselines (dedicated, disagg-pd) serve exactly what one engine serves (structured outputs too: the
+constraint travels to the workers in the sampling parameters, and disagg-pd's decode worker rebuilds the matcher from
+the handed-off tokens), hand KV over without recompute, surface worker failures as errors and leave no process
+behind."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from orthrus_rag import Engine, SamplingParams
 from orthrus_rag.engine.deploy import DedicatedDeployment, DisaggPDDeployment, WorkerError
 from orthrus_rag.engine.handoff import HandoffOutput
 from orthrus_rag.config.build import engine_config
+from orthrus_rag.params import StructuredOutputsParams
 from tests.conftest import SMOL, engine_overrides
+from tests.test_structured_outputs import City, Portrait, _chat  # the schemas, one owner
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)
 
@@ -163,6 +167,23 @@ def test_a_rejected_submit_names_its_request_and_the_others_finish(dedicated):
             rejected.append(exc)
     assert finished == ["good"]
     assert [e.request_ids for e in rejected] == [("bad",)] and "prompt is empty" in str(rejected[0])
+
+
+def test_structured_outputs_return_what_the_engine_returns(engine, dedicated, disagg):
+    """A valid object, and one closed at max_tokens inside a string: the tokens of one in-process engine."""
+    tok = engine.tokenizer
+    prompts = [_chat(tok, "Tell me about Rome as JSON."), _chat(tok, "Describe Paris as JSON with a long summary.")]
+    params = [SamplingParams(max_tokens=48, temperature=0,
+                             structured_outputs=StructuredOutputsParams(json=City.model_json_schema())),
+              SamplingParams(max_tokens=24, temperature=0,  # cut inside the summary, closed
+                             structured_outputs=StructuredOutputsParams(json=Portrait.model_json_schema()))]
+    want = [engine.generate(p, sp)[0] for p, sp in zip(prompts, params)]
+    for dep in (dedicated, disagg):
+        got = [dep.run([p], sp)[0][0] for p, sp in zip(prompts, params)]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], type(dep).__name__
+        City.model_validate_json(got[0].text)
+        Portrait.model_validate_json(got[1].text)
+        assert [o.finish_reason for o in got] == ["stop", "length"]
 
 
 def test_dead_worker_surfaces_and_shutdown_leaves_no_process(dedicated, disagg):

@@ -15,6 +15,12 @@ from tests.test_app_config import _compose
 
 pytestmark = pytest.mark.slow  # starts Ray and two engines
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_ray(one_ray_at_a_time):
+    """The module's Ray is the only one on the machine while it runs (tests/conftest.py)."""
+
+
 TOPICS = ["river", "mountain", "composer", "planet", "novel", "painter", "city", "bridge", "island", "desert"]
 COMMON = ["corpus=jsonl", "retriever.shard_size=16", "model.dtype=float32",
           "+model.kernel_overrides.linears=dense", "progress=false", "seed=0"]
@@ -45,6 +51,20 @@ def builds(tmp_path_factory):
     return corpus, local, ray
 
 
+@pytest.fixture(scope="module")
+def local_ray(builds):
+    """One local Ray for the module's later builds, which join it (and leave it up) instead of each starting and
+    stopping its own: `builds` above runs first and covers a build that starts its own Ray and stops it."""
+    import ray
+
+    from orthrus_rag.entrypoints.ray.app import _init_ray
+
+    assert not ray.is_initialized()  # the build that started one stopped it
+    _init_ray(None, 3)  # as a build of 2 one-CPU actors starts it: one CPU more than the actors hold
+    yield
+    ray.shutdown()
+
+
 def test_two_ray_actors_build_the_index_one_process_builds(builds) -> None:
     corpus, local, ray = builds
     assert _state(ray) == _state(local) and len(_state(ray)) == 5  # 70 passages in shards of 16
@@ -72,7 +92,7 @@ def test_two_ray_actors_build_the_index_one_process_builds(builds) -> None:
         asyncio.run(client.aclose())
 
 
-def test_a_ray_build_resumes_from_its_last_finished_shard(builds, tmp_path: Path) -> None:
+def test_a_ray_build_resumes_from_its_last_finished_shard(builds, local_ray, tmp_path: Path) -> None:
     corpus, local, _ = builds
     run = tmp_path / "resumed"
     # a build that finished 2 of 5 shards: its folder as a killed build leaves it
@@ -93,7 +113,8 @@ def test_a_ray_build_resumes_from_its_last_finished_shard(builds, tmp_path: Path
     np.testing.assert_allclose(_vectors(out), _vectors(local), atol=1e-5, rtol=0)
 
 
-def test_a_ray_build_reads_a_parquet_corpus_as_one_process_reads_the_jsonl(builds, tmp_path: Path) -> None:
+def test_a_ray_build_reads_a_parquet_corpus_as_one_process_reads_the_jsonl(builds, local_ray,
+                                                                          tmp_path: Path) -> None:
     """`corpus=hf corpus.hub_id=parquet` enters through Ray Data's `read_parquet`: the same shards and vectors."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -110,7 +131,7 @@ def test_a_ray_build_reads_a_parquet_corpus_as_one_process_reads_the_jsonl(build
     np.testing.assert_allclose(_vectors(out), _vectors(local), atol=1e-5, rtol=0)
 
 
-def test_a_ray_build_needs_each_records_id(tmp_path: Path) -> None:
+def test_a_ray_build_needs_each_records_id(local_ray, tmp_path: Path) -> None:
     corpus = tmp_path / "noid.jsonl"
     corpus.write_text(json.dumps({"contents": "Title\nno id here"}) + "\n")
     with pytest.raises(Exception, match="needs every record's id"):

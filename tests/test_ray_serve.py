@@ -1,11 +1,12 @@
 """Engine replicas on Ray Serve: a local Ray (2 CPUs), two replicas of one thread each behind the OpenAI ingress;
 mixed chat (streamed too) and embedding traffic through the official client, both replicas carrying requests,
-greedy answers equal to the single-process server's; and `orthrus-rag run deploy=ray` through deployment handles
-with the local run's scores."""
+greedy answers equal to the single-process server's, structured outputs held by the replicas; and `orthrus-rag run
+deploy=ray` through deployment handles with the local run's scores."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -14,8 +15,15 @@ import pytest
 
 from orthrus_rag.params import PoolingParams, SamplingParams
 from tests.conftest import MINILM, SMOL, engine_overrides
+from tests.test_structured_outputs import City, Portrait  # the schemas, one owner
 
 pytestmark = pytest.mark.slow  # starts Ray and two engines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_ray(one_ray_at_a_time):
+    """The module's Ray is the only one on the machine while it runs (tests/conftest.py)."""
+
 
 PROMPTS = ["Name a colour.", "Who wrote Hamlet?", "Count to three.", "What is the capital of Italy?"]
 
@@ -98,6 +106,26 @@ def test_both_replicas_carry_requests(ray_serve):
     outs = asyncio.run(many())
     replicas = {o.request_id.split("/")[0] for o in outs}
     assert len(replicas) == 2, f"every request went to {replicas}"
+
+
+def test_replicas_hold_a_json_schema(ray_serve):
+    """A valid object, and one closed at max_tokens inside a string (cut there when the closing is switched off)."""
+    url, _ = ray_serve
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": City.model_json_schema()}}
+    resp = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "Tell me about Rome."}],
+                                          max_tokens=48, temperature=0, response_format=fmt)
+    City.model_validate_json(resp.choices[0].message.content)
+    fmt = {"type": "json_schema", "json_schema": {"name": "portrait", "schema": Portrait.model_json_schema()}}
+    ask = [{"role": "user", "content": "Describe Paris as JSON with a long summary."}]
+    closed = client.chat.completions.create(model=SMOL, messages=ask, max_tokens=24, temperature=0,
+                                            response_format=fmt).choices[0]
+    assert closed.finish_reason == "length"
+    Portrait.model_validate_json(closed.message.content)
+    cut = client.chat.completions.create(model=SMOL, messages=ask, max_tokens=24, temperature=0, response_format=fmt,
+                                         extra_body={"structured_close_on_length": False}).choices[0]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.message.content)
 
 
 def test_a_killed_replica_fails_nothing_silently(ray_serve):
@@ -229,13 +257,20 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(ray_serve):
 
     from ray import serve
 
-    from orthrus_rag.entrypoints.ray.app import APP_NAME, REPLICA, ray_client, replicas_of
+    from orthrus_rag.entrypoints.ray.app import APP_NAME, REPLICA, _replica_options, ray_client, replica_deployment
     from tests.test_app_config import _compose
 
     cfg = _compose("deploy=ray", "deploy.min_replicas=1", "deploy.max_replicas=2", "deploy.replicas=1",
                    "deploy.target_ongoing_requests=1", "deploy.upscale_delay_s=0", "deploy.downscale_delay_s=1",
                    "cache.num_blocks=512", "model.dtype=float32")
-    client = ray_client(replicas_of(cfg))
+    options = _replica_options(cfg)  # what `replicas_of(cfg)` deploys
+    assert options["autoscaling"] == {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+                                      "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 1}
+    # NOTE: two of Ray's own knobs shortened too: the handle pushes its in-flight count every metrics_interval_s
+    # (10 s by default) and the autoscaler averages it over look_back_period_s (30 s), so the way back to one replica
+    # waited ~30 s for the busy samples to age out
+    fast = {**options["autoscaling"], "metrics_interval_s": 0.5, "look_back_period_s": 2}
+    client = ray_client(replica_deployment(**{**options, "autoscaling": fast}))
 
     def running() -> int:
         return serve.status().applications[APP_NAME].deployments[REPLICA].replica_states.get("RUNNING", 0)

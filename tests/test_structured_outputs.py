@@ -27,7 +27,7 @@ class Evidence(BaseModel):
 
 
 class Finding(BaseModel):
-    """The nested schema of the 200-request test: a $ref'd object in an array, an enum, bounded strings."""
+    """The nested schema of the many-request test: a $ref'd object in an array, an enum, bounded strings."""
 
     model_config = ConfigDict(extra="forbid")
     answer: str = Field(max_length=24)
@@ -303,19 +303,25 @@ def test_handed_off_request_keeps_its_constraint(engine):
         engine.add_prefilled(wrong)
 
 
-def test_two_hundred_nested_schema_requests_in_mixed_steps(engine):
-    """200 constrained requests (half streamed), 40 unconstrained ones and 60 embeddings share steps: every
+# more constrained requests than the engine's max_num_seqs (32): full batches of constrained rows, and more waiting
+NUM_CONSTRAINED, NUM_FREE, NUM_TEXTS = 48, 12, 16
+
+
+def test_many_nested_schema_requests_in_mixed_steps(engine):
+    """48 constrained requests (half streamed), 12 unconstrained ones and 16 embeddings share steps: every
     constrained output validates against the schema, and the unconstrained ones equal their tokens in a run with no
     constrained request at all."""
+    assert NUM_CONSTRAINED > engine.config.scheduler.max_num_seqs
     tok = engine.tokenizer
     topics = ["the Eiffel Tower", "the Moon landing", "penicillin", "the printing press", "Mount Everest",
               "the telephone", "the Great Wall", "DNA", "the steam engine", "the Internet"]
-    constrained = [_chat(tok, f"As JSON, report a finding about {topics[i % 10]} (note {i}).") for i in range(200)]
-    free = [_chat(tok, f"Say something short about {topics[i % 10]} ({i}).") for i in range(40)]
-    texts = [f"passage {i} about {topics[i % 10]}" for i in range(60)]
+    constrained = [_chat(tok, f"As JSON, report a finding about {topics[i % 10]} (note {i}).")
+                   for i in range(NUM_CONSTRAINED)]
+    free = [_chat(tok, f"Say something short about {topics[i % 10]} ({i}).") for i in range(NUM_FREE)]
+    texts = [f"passage {i} about {topics[i % 10]}" for i in range(NUM_TEXTS)]
     greedy = SamplingParams(max_tokens=192, temperature=0, structured_outputs=FINDING)
     c_params = [greedy if i % 4 else SamplingParams(max_tokens=192, temperature=0.7, seed=i,
-                                                    structured_outputs=FINDING) for i in range(200)]
+                                                    structured_outputs=FINDING) for i in range(NUM_CONSTRAINED)]
     f_params = SamplingParams(max_tokens=12, temperature=0)
     want, _ = engine.run(free, f_params, texts)  # the reference: no constrained request in any step
 
@@ -337,10 +343,11 @@ def test_two_hundred_nested_schema_requests_in_mixed_steps(engine):
             return results[0], list(engine.step_stats)[-(engine.num_steps - first):]
 
     outs, steps = asyncio.run(main())
-    for out in outs[40:]:
+    assert len(outs) == NUM_FREE + NUM_CONSTRAINED
+    for out in outs[NUM_FREE:]:
         assert out.finish_reason == "stop", out.text
         Finding.model_validate_json(out.text)
-    assert [o.token_ids for o in outs[:40]] == [o.token_ids for o in want[:40]]
+    assert [o.token_ids for o in outs[:NUM_FREE]] == [o.token_ids for o in want[:NUM_FREE]]
     # the forward carried all three: constrained rows, free generation rows and embedding rows
     assert any(s.num_constrained_rows and s.num_sampled_rows > s.num_constrained_rows and s.num_forward_embed_rows
                for s in steps)
