@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orthrus_rag.config.kernels import check_kernels, requested
+from orthrus_rag.config.kernels import QUANTIZATIONS, check_kernels, requested
 
 ADAPTER_KINDS = ("generate", "embed", "both")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -41,10 +41,17 @@ class ModelConfig:
     # parts and choices: config/kernels.py PARTS (layers, linears, attention, decode_attention, prefill_attention,
     # encoder_attention, lora, sampler, cuda_graphs)
     kernel_overrides: dict[str, str] = field(default_factory=dict)
+    # the decoder's linear weights stored quantized on the CPU, the activations in `dtype`: "none", "int8" (one
+    # scale per output row) or "int4" (a scale and a zero per 32 inputs); a step reads half or a quarter of the
+    # weight bytes, what decoding a few sequences is bound by (layers/quantized.py)
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected auto or one of {', '.join(_DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; expected one of "
+                             f"{', '.join(QUANTIZATIONS)}")
         self.kernel_overrides = dict(self.kernel_overrides)
         check_kernels(self.kernels, self.kernel_overrides)
         self.adapters, self.adapter_kinds = dict(self.adapters), dict(self.adapter_kinds)

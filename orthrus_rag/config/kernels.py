@@ -30,6 +30,8 @@ PARTS: dict[str, tuple[str, ...]] = {
     "cuda_graphs": ("auto", "off"),  # CUDA: decode-only steps replayed as CUDA graphs
 }
 KERNELS = ("auto", "torch")
+# how the decoder's linear weights are stored (model.quantization; layers/quantized.py runs them)
+QUANTIZATIONS = ("none", "int8", "int4")
 # `kernels=torch`: each part on torch's own ops
 TORCH: dict[str, str] = {"layers": "torch", "linears": "dense", "attention": "grouped", "decode_attention": "sdpa",
                          "prefill_attention": "sdpa", "encoder_attention": "sdpa", "lora": "torch",

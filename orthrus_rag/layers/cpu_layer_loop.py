@@ -102,6 +102,8 @@ class LayerLoop:
         self._parts_for: int | None = None  # the threads (0: the split off) the parts were made for; None: not yet
         mods = [m for layer in model.layers for m in (layer.self_attn.fusions["qkv"].carrier, layer.self_attn.o_proj,
                                                       layer.mlp.fusions["gate_up"].carrier, layer.mlp.down_proj)]
+        if any(getattr(m, "_quant", None) is not None for m in mods):
+            return  # NOTE: quantized weights (layers/quantized.py) take the Python loop
         packed = [getattr(m, "_onednn", None) is not None for m in mods]
         froms = {linear.packed_from(m) for m in mods}
         # NOTE: all packed from one row count (and torch has the pointwise op) or all dense: pack_linears packs

@@ -16,6 +16,7 @@ from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.engine.executor.plan import choose_encoder, choose_layers, choose_linears, choose_lora
 from orthrus_rag.layers.linear import ROW_BUCKETS, choose_kernel, linear_shapes, onednn_available, pack_linears
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
+from orthrus_rag.layers.quantized import check_quantization, quantize_linears
 from orthrus_rag.machine import ONEDNN_BF16_FLAGS, machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
@@ -70,6 +71,10 @@ def load_models(config: EngineConfig) -> LoadedModels:
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
+    if mc.quantization != "none":
+        # NOTE: after the adapters (LoRA stays in the model's dtype on the quantized base), before the packing
+        check_quantization(mc.quantization, mc.device)
+        quantize_linears(model, mc.quantization)
     apply_kernels(mc.requested_kernels(), model, encoder, mc.torch_dtype, torch.device(mc.device))
     return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling)
 

@@ -236,15 +236,27 @@ def _packed_from(module: torch.nn.Module | None) -> int | None:
     return None if packed is None else packed_from(packed)
 
 
+def _quantized(module: torch.nn.Module | None) -> str | None:
+    """A group's quantized weights as the plan names them (layers/quantized.py), read from its first; None: none."""
+    if module is None:
+        return None
+    quant = next((q for m in module.modules() if (q := getattr(m, "_quant", None)) is not None), None)
+    if quant is None:
+        return None
+    return f"{quant.kind} weight-only" + (f" (groups of {quant.group})" if quant.group else "")
+
+
 def _linears_cell(runner: Any, device: torch.device) -> Cell:
     if device.type != "cpu":
         return Cell("linears", "dense", "cuBLAS", "cuda")
     model = runner.model
-    groups = {"layers": _packed_from(model.model), "LM head": _packed_from(getattr(model, "lm_head", None))}
+    head = getattr(model, "lm_head", None)
+    groups = {"layers": (model.model, _packed_from(model.model)), "LM head": (head, _packed_from(head))}
     if runner.encoder is not None:
-        groups["encoder"] = _packed_from(runner.encoder)
-    choice = "onednn" if any(v is not None for v in groups.values()) else "dense"
-    body = ", ".join(f"{g} {'dense' if v is None else 'oneDNN from ' + _rows(v)}" for g, v in groups.items())
+        groups["encoder"] = (runner.encoder, _packed_from(runner.encoder))
+    choice = "onednn" if any(v is not None for _, v in groups.values()) else "dense"
+    body = ", ".join(f"{g} {_quantized(m) or ('dense' if v is None else 'oneDNN from ' + _rows(v))}"
+                     for g, (m, v) in groups.items())
     return Cell("linears", choice, body)
 
 
