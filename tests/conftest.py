@@ -57,7 +57,7 @@ MODEL_FIXTURES = {"smol_path", "smol_tokenizer", "hf_smol", "smol_engine", "engi
 # fixtures are built once). Workers take modules in collection order: the longest ones go first, so that no long
 # module starts last and runs alone; the Ray modules at the two ends, so that they rarely wait on each other's lock.
 FIRST = ("test_ray_serve", "test_deployments", "test_langchain_standard", "test_structured_outputs", "test_resume",
-         "test_method_resume", "test_engine_embed", "test_readme_commands", "test_documents_api")
+         "test_method_resume", "test_engine_embed", "test_quantized", "test_readme_commands", "test_documents_api")
 LAST = ("test_ray_index",)
 
 
