@@ -4,6 +4,8 @@
   by that dequantized weight.
 - An engine on quantized weights generates the greedy tokens, and pools the embeddings, of an engine whose
   checkpoint holds the dequantized weights (LoRA adapters on top too), and its plan names the format.
+- `auto` takes a GGUF file's own forms (the shipped SmolLM2: Q4_1 layers, exactly; its Q8_0 head as int8), and
+  nothing for a checkpoint folder.
 - Bad values and devices are refused, naming the valid ones."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from orthrus_rag.config.build import engine_config
 from orthrus_rag.config.engine import ModelConfig
 from orthrus_rag.layers.quantized import INT4_GROUP, check_quantization, quantize_int4, quantize_int8
+from tests.conftest import SMOL
 from tests.test_plan import _engine, _outputs, tiny  # noqa: F401  (tiny: the fixture)
 
 
@@ -50,7 +53,7 @@ def test_int4_is_within_half_a_step_of_each_group_and_the_kernel_multiplies_by_i
 
 
 def test_bad_quantization_and_device_are_refused():
-    with pytest.raises(ValueError, match="unknown quantization 'int3'; expected one of none, int8, int4"):
+    with pytest.raises(ValueError, match="unknown quantization .int3.; expected one of none, int8, int4, auto"):
         ModelConfig(quantization="int3")
     with pytest.raises(ValueError, match="unknown quantization"):
         engine_config("smollm2-135m-instruct", quantization="q4")  # the engine's keyword options too
@@ -78,8 +81,8 @@ def _dequantized_checkpoint(folder, kind: str, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("adapters", [False, True], ids=["base", "adapters"])
+@pytest.mark.parametrize("kind,adapters", [("int8", False), ("int4", False), ("int4", True)],
+                         ids=["int8", "int4", "int4-adapters"])  # NOTE: adapters take one path whatever the format
 def test_a_quantized_engine_computes_what_its_dequantized_weights_compute(tiny, tmp_path, kind, adapters):  # noqa: F811
     folder, adapter_folders = tiny
     reference = _dequantized_checkpoint(folder, kind, tmp_path / "dequantized")
@@ -97,3 +100,42 @@ def test_a_quantized_engine_computes_what_its_dequantized_weights_compute(tiny, 
     # the dense weights are gone: the layers hold their quantized bytes only
     qkv = eng.runner.model.model.layers[0].self_attn.fusions["qkv"].carrier
     assert qkv.weight.numel() == 0 and qkv._quant.kind == kind
+
+
+def test_auto_reads_the_shipped_gguf_as_int4_layers_and_an_int8_head():
+    from orthrus_rag.models.registry import gguf_quantization, gguf_source
+
+    source = gguf_source(SMOL)
+    assert source is not None and source.suffix == ".gguf"
+    assert gguf_quantization(source) == ("int4", "int8")  # Q4_1 blocks; the tied embeddings in Q8_0
+    assert gguf_source("all-minilm-l6-v2") is None and gguf_source("/no/such/model.gguf") is None
+
+
+@pytest.mark.slow
+def test_int4_of_a_q4_1_files_layers_is_the_files_own_weights(smol_path):
+    """Each Q4_1 block's smallest and largest weights are its codes 0 and 15, so requantizing the dequantized
+    weights recovers the file's scales, zeros and codes: `auto` multiplies by exactly the file's weights."""
+    from safetensors import safe_open
+
+    with safe_open(str(next(smol_path.glob("*.safetensors"))), "pt") as f:
+        for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.17.mlp.down_proj.weight"):
+            w = f.get_tensor(key).float()
+            assert torch.equal(quantize_int4(w, torch.float32).dequantize(), w), key
+
+
+@pytest.mark.slow
+def test_an_auto_engine_takes_the_gguf_forms_and_answers_as_the_dense_one(tiny, engine):  # noqa: F811
+    from orthrus_rag import Engine, SamplingParams
+    from tests.conftest import engine_overrides
+
+    auto = Engine.from_pretrained(SMOL, **engine_overrides(quantization="auto"))
+    body = auto.plan.cell("linears").body
+    assert body.startswith("layers int4 weight-only (groups of 32), LM head int8 weight-only"), auto.plan
+    assert "int4 weights" in auto.plan.cell("layers").body  # the C++ layer loop takes them
+    prompts = ["The capital of France is", "Water is made of hydrogen and"]
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in auto.generate(prompts, greedy)] == \
+        [o.token_ids for o in engine.generate(prompts, greedy)]
+    # a checkpoint folder has no GGUF form: auto quantizes nothing
+    plain = _engine(tiny, quantization="auto")
+    assert "weight-only" not in plain.plan.cell("linears").body

@@ -42,8 +42,9 @@ class ModelConfig:
     # encoder_attention, lora, sampler, cuda_graphs)
     kernel_overrides: dict[str, str] = field(default_factory=dict)
     # the decoder's linear weights stored quantized on the CPU, the activations in `dtype`: "none", "int8" (one
-    # scale per output row) or "int4" (a scale and a zero per 32 inputs); a step reads half or a quarter of the
-    # weight bytes, what decoding a few sequences is bound by (layers/quantized.py)
+    # scale per output row), "int4" (a scale and a zero per 32 inputs) or "auto" (a quantized GGUF's own form,
+    # else none); a step reads half or a quarter of the weight bytes, what decoding a few sequences is bound by
+    # (layers/quantized.py)
     quantization: str = "none"
 
     def __post_init__(self) -> None:

@@ -30,8 +30,9 @@ PARTS: dict[str, tuple[str, ...]] = {
     "cuda_graphs": ("auto", "off"),  # CUDA: decode-only steps replayed as CUDA graphs
 }
 KERNELS = ("auto", "torch")
-# how the decoder's linear weights are stored (model.quantization; layers/quantized.py runs them)
-QUANTIZATIONS = ("none", "int8", "int4")
+# how the decoder's linear weights are stored (model.quantization; layers/quantized.py runs them); "auto": a
+# quantized GGUF file's own form (int4 for 4-bit blocks, int8 for 5- to 8-bit ones), else none
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # `kernels=torch`: each part on torch's own ops
 TORCH: dict[str, str] = {"layers": "torch", "linears": "dense", "attention": "grouped", "decode_attention": "sdpa",
                          "prefill_attention": "sdpa", "encoder_attention": "sdpa", "lora": "torch",

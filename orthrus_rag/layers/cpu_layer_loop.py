@@ -18,7 +18,7 @@ C++, e.g. bf16 chunks on a CPU without AVX512-BF16); any other step takes the Py
 `layers=fused` (`+model.kernel_overrides.layers=fused`) turns it off.
 
 Its arguments, in two named structures (csrc/layer_loop.h): the model's (`LayerLoopModel`: weights, eps, windows,
-shape, packed weights, adapters, the column split's parts), built when the loop is made and on `refresh()`, and a
+shape, packed or quantized weights, adapters, the column split's parts), built when the loop is made and on `refresh()`, and a
 step's (`LayerLoopStep`: the attention plan, adapter rows, whether to split), built per step: a step converts its
 plan and caches for C++, not the model's weights.
 
@@ -102,8 +102,13 @@ class LayerLoop:
         self._parts_for: int | None = None  # the threads (0: the split off) the parts were made for; None: not yet
         mods = [m for layer in model.layers for m in (layer.self_attn.fusions["qkv"].carrier, layer.self_attn.o_proj,
                                                       layer.mlp.fusions["gate_up"].carrier, layer.mlp.down_proj)]
-        if any(getattr(m, "_quant", None) is not None for m in mods):
-            return  # NOTE: quantized weights (layers/quantized.py) take the Python loop
+        quants = [getattr(m, "_quant", None) for m in mods]
+        # NOTE: quantized weights (layers/quantized.py): all four projections of every layer in one format, or the
+        # Python loop
+        self.quantized = all(q is not None for q in quants) and len({(q.kind, q.group) for q in quants}) == 1
+        self.quant_kind = quants[0].kind if self.quantized else None
+        if any(q is not None for q in quants) and not self.quantized:
+            return
         packed = [getattr(m, "_onednn", None) is not None for m in mods]
         froms = {linear.packed_from(m) for m in mods}
         # NOTE: all packed from one row count (and torch has the pointwise op) or all dense: pack_linears packs
@@ -131,7 +136,10 @@ class LayerLoop:
             heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             intermediate=model.layers[0].mlp.fusions["gate_up"].sizes[0], scale=first.scale,
             packed_weights=[m._onednn[0] for m in mods] if self.packed else [], packed_from=self.packed_from,
-            adapter_tensors=lora_w, adapter_ints=lora_ints, adapter_scales=lora_scales)
+            adapter_tensors=lora_w, adapter_ints=lora_ints, adapter_scales=lora_scales,
+            quant_weights=[q.weight for q in quants] if self.quantized else [],
+            quant_scales=[q.scales for q in quants] if self.quantized else [],
+            quant_group=quants[0].group if self.quantized else 0)
 
     def _split_parts(self) -> SplitParts | None:
         """The column-split parts for this step's thread count, made anew where it (or the switch) changed."""
@@ -153,7 +161,7 @@ class LayerLoop:
         where no step can take it (a backend without a kernel plan, or weights it cannot read), else its form."""
         if getattr(attn_backend, "kernel_plan", None) is None or self._args is None:
             return None
-        out = "C++ layer loop"
+        out = "C++ layer loop" + (f", {self.quant_kind} weights" if self.quantized else "")
         if self._split_parts() is not None:
             out += f", column split from {max(self.split_from, self.packed_from)} rows"
         if not self._adapters_ok:

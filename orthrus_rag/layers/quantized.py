@@ -63,8 +63,8 @@ class QuantWeight:
 
 
 def check_quantization(kind: str, device: str | torch.device) -> None:
-    """Raise the one-line error for a quantization this build cannot run."""
-    if kind not in QUANTIZATIONS:
+    """Raise the one-line error for a quantization (resolved: not auto) this build cannot run."""
+    if kind not in QUANTIZATIONS or kind == "auto":
         raise ValueError(f"model.quantization={kind!r}: expected one of {', '.join(QUANTIZATIONS)}")
     if kind != "none" and torch.device(device).type != "cpu":
         raise ValueError(f"model.quantization={kind} runs on the CPU (torch's weight-only CPU kernels); "

@@ -63,6 +63,36 @@ def resolve_model_path(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS))
 
 
+def gguf_source(name: str) -> Path | None:
+    """The GGUF file a model name loads from (a built-in GGUF or a .gguf path), else None."""
+    if name in BUILTIN_MODELS:
+        package, inner = BUILTIN_MODELS[name]
+        return _package_dir(package) / inner if inner.endswith(".gguf") else None
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+# a GGUF block format -> the weight-only form it maps to (layers/quantized.py): 4 bits or fewer -> int4; 5 to 8 bits
+# -> int8 (int4 would lose bits the file has); float -> none
+_GGUF_FORMS = {"F32": "none", "F16": "none", "BF16": "none", "Q8_0": "int8", "Q8_1": "int8", "Q6_K": "int8",
+               "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
+
+
+def gguf_quantization(path: Path) -> tuple[str, str]:
+    """The quantizations (none | int8 | int4) nearest to a GGUF file's weights: (its layers', its LM head's). The
+    layers' is the format most of its `blk.*` matrices are stored in (a Q4_K_M file keeps a few in Q6_K: int4); the
+    head's is that of `output.weight`, or of the token embeddings it is tied to."""
+    from collections import Counter
+
+    import gguf
+
+    tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    kinds = Counter(kind for name, kind in tensors.items() if name.startswith("blk."))
+    layers = _GGUF_FORMS.get(kinds.most_common(1)[0][0], "int4") if kinds else "none"
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    return layers, (_GGUF_FORMS.get(head, "int4") if head is not None else layers)
+
+
 def gguf_cache_name(path: Path) -> str:
     """The cache folder of a user's GGUF file: its stem plus a digest of where it is, its size and mtime, so two
     files of one name, or a file replaced in place, never share (or reuse) a conversion."""

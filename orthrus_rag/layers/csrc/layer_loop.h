@@ -93,17 +93,23 @@ struct LoopModel {
   std::vector<at::Tensor> adapter_tensors;
   std::vector<int64_t> adapter_ints;
   std::vector<double> adapter_scales;
+  // quantized weights (layers/quantized.py): the four projections' per layer and their scales, or none; each
+  // step multiplies by them (quant_group 0: int8, else int4 in groups of quant_group)
+  std::vector<at::Tensor> quant_weights, quant_scales;
+  int64_t quant_group;
   std::shared_ptr<const split_detail::Parts> split;  // null: no column-split form
 
   LoopModel(std::vector<at::Tensor> weights_, std::vector<double> eps_, std::vector<int64_t> windows_, int64_t heads_,
             int64_t kv_heads_, int64_t head_dim_, int64_t intermediate_, double scale_,
             std::vector<at::Tensor> packed_weights_, int64_t packed_from_, std::vector<at::Tensor> adapter_tensors_,
-            std::vector<int64_t> adapter_ints_, std::vector<double> adapter_scales_)
+            std::vector<int64_t> adapter_ints_, std::vector<double> adapter_scales_,
+            std::vector<at::Tensor> quant_weights_, std::vector<at::Tensor> quant_scales_, int64_t quant_group_)
       : weights(std::move(weights_)), eps(std::move(eps_)), windows(std::move(windows_)), heads(heads_),
         kv_heads(kv_heads_), head_dim(head_dim_), intermediate(intermediate_), scale(scale_),
         packed_weights(std::move(packed_weights_)), packed_from(packed_from_),
         adapter_tensors(std::move(adapter_tensors_)), adapter_ints(std::move(adapter_ints_)),
-        adapter_scales(std::move(adapter_scales_)) {
+        adapter_scales(std::move(adapter_scales_)), quant_weights(std::move(quant_weights_)),
+        quant_scales(std::move(quant_scales_)), quant_group(quant_group_) {
     using loop_detail::kWeights;
     const int64_t L = layers();
     TORCH_CHECK(L > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && intermediate > 0,
@@ -112,6 +118,10 @@ struct LoopModel {
                 "layer_loop: ", kWeights, " weights and two eps per layer");
     TORCH_CHECK(packed_weights.empty() || static_cast<int64_t>(packed_weights.size()) == 4 * L,
                 "layer_loop: packed weights");
+    TORCH_CHECK(quant_weights.size() == quant_scales.size() &&
+                    (quant_weights.empty() || (static_cast<int64_t>(quant_weights.size()) == 4 * L &&
+                                               packed_weights.empty() && quant_group >= 0)),
+                "layer_loop: quantized weights (four per layer with their scales, and no packed weights)");
     if (!adapter_ints.empty()) {  // NOTE: walked once as every step with adapter rows reads them
       loop_detail::Adapters walk{adapter_tensors, adapter_ints, adapter_scales, loop_detail::kNoInts,
                                  loop_detail::kNoTensors};
@@ -194,6 +204,7 @@ torch::Tensor layer_loop(const LoopModel& model, torch::Tensor h, torch::Tensor 
               "layer_loop: identity plan");
   TORCH_CHECK(step.lora_slots.size() == step.lora_rows.size(), "layer_loop: one rows tensor per adapter slot");
   const bool use_packed = !packed_w.empty() && T >= model.packed_from;
+  const bool quant = !model.quant_weights.empty();
   // the model's adapters where the step has adapter rows
   const bool adapter_rows = !step.lora_slots.empty();
   Adapters adapters{adapter_rows ? model.adapter_tensors : kNoTensors, adapter_rows ? model.adapter_ints : kNoInts,
@@ -231,6 +242,12 @@ torch::Tensor layer_loop(const LoopModel& model, torch::Tensor h, torch::Tensor 
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + l * kWeights;
     const torch::Tensor* pw = use_packed ? packed_w.data() + 4 * l : nullptr;
+    // the layer's j-th projection (Q/K/V, O, gate/up, down) of x: its quantized weight where the model has them
+    auto product = [&](const torch::Tensor& x, int64_t j, int64_t dense, int64_t b) {
+      if (quant) return quantized(x, model.quant_weights[4 * l + j], model.quant_scales[4 * l + j], model.quant_group,
+                                  w[b]);
+      return project(x, w[dense], pw ? pw + j : nullptr, w[b]);
+    };
     const torch::Tensor& kc = caches[2 * l];
     const torch::Tensor& vc = caches[2 * l + 1];
     const int64_t window = model.windows[l];
@@ -240,7 +257,7 @@ torch::Tensor layer_loop(const LoopModel& model, torch::Tensor h, torch::Tensor 
       // NOTE: the first layer's Q/K/V in a region of its own; each later one's ends the layer before's region
       if (l == 0) split_detail::run(split_parts->count(), {qkv_phase(l, h)});
     } else {
-      qkv = project(h, w[kQkvW], pw, w[kQkvB]);
+      qkv = product(h, 0, kQkvW, kQkvB);
       adapters.add(h, qkv);
     }
     auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
@@ -289,13 +306,13 @@ torch::Tensor layer_loop(const LoopModel& model, torch::Tensor h, torch::Tensor 
       h = next;
       continue;
     }
-    auto attn = project(o_in, w[kOW], pw ? pw + 1 : nullptr, w[kOB]);
+    auto attn = product(o_in, 1, kOW, kOB);
     adapters.add(o_in, attn);
     h = add_rms_norm(attn, residual, w[kPostNorm], eps[2 * l]);
-    auto gate_up = project(h, w[kGateUpW], pw ? pw + 2 : nullptr, w[kGateUpB]);
+    auto gate_up = product(h, 2, kGateUpW, kGateUpB);
     adapters.add(h, gate_up);
     auto act = silu_mul(gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I));
-    auto down = project(act, w[kDownW], pw ? pw + 3 : nullptr, w[kDownB]);
+    auto down = product(act, 3, kDownW, kDownB);
     adapters.add(act, down);
     h = add_rms_norm(down, residual, w[kNextNorm], eps[2 * l + 1]);
   }

@@ -33,4 +33,14 @@ inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (pw) return packed(x, *pw, b);
   return at::linear(x, w, bias(b));
 }
+
+// x times a quantized weight (layers/quantized.py's QuantWeight): int8 with one scale per output row (group 0), or
+// int4 in torch's packed layout with a scale and a zero per `group` inputs; torch's weight-only CPU kernels, as
+// QuantWeight.matmul calls them. x: [T, in], contiguous.
+inline at::Tensor quantized(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, int64_t group,
+                            const at::Tensor& b) {
+  auto y = group > 0 ? at::_weight_int4pack_mm_for_cpu(x, qw, group, qs) : at::_weight_int8pack_mm(x, qw, qs);
+  if (b.numel() > 0) y.add_(b);
+  return y;
+}
 }  // namespace loop_detail
