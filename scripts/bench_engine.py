@@ -194,7 +194,8 @@ METRICS = {"prefill_tok_s": ("prefill", "tokens/s"), "decode_tok_s_b1": ("decode
 
 def plot_results(results: dict, out_dir: Path) -> list[Path]:
     """Per-core bars: one panel per measurement (prefill, decode at each batch, embeddings), a bar for the engine
-    and for each vLLM column (and transformers where measured); a bar is the mean of the runs in the file (the
+    and for each vLLM column (and transformers where measured; a run's "variants": the engine under other options,
+    one bar each by label); a bar is the mean of the runs in the file (the
     engine's A-B-A runs included), its whisker their range. `results`: a committed results file
     (docs/benchmarks/results/per-core-*.json: {"results": {"runs": [...]}} or one run) or this script's own
     results.json. Redraw: `python scripts/bench/report.py docs/benchmarks/results/per-core-<cpu>.json`."""
@@ -216,6 +217,8 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
         add("transformers", run.get("transformers"))
         for variant, peer in (run.get("vllm") or {}).items():
             add(f"vLLM {variant}", peer.get("results"))
+        for variant, values in (run.get("variants") or {}).items():  # the engine under other options, by label
+            add(variant, values)
     metrics = [k for k in METRICS if any(k in b for b in bars.values())]
     plt = _plt()
     fig, axes = plt.subplots(1, len(metrics), figsize=(8, 4), squeeze=False)

@@ -15,7 +15,8 @@ import torch
 
 from orthrus_rag.config.build import engine_config
 from orthrus_rag.config.engine import ModelConfig
-from orthrus_rag.layers.quantized import INT4_GROUP, check_quantization, quantize_int4, quantize_int8
+from orthrus_rag.layers.quantized import (INT4_GROUP, check_quantization, dequantized, quantize_int4,
+                                          quantize_int8)
 from tests.conftest import SMOL
 from tests.test_plan import _engine, _outputs, tiny  # noqa: F401  (tiny: the fixture)
 
@@ -26,11 +27,11 @@ def test_int8_is_within_half_a_step_and_the_kernel_multiplies_by_it(dtype):
     w = torch.randn(96, 128) * torch.linspace(0.01, 2.0, 96)[:, None]  # rows of very different ranges
     q = quantize_int8(w, dtype)
     step = w.abs().amax(dim=1) / 127
-    deq = quantize_int8(w, torch.float32).dequantize()
+    deq = dequantized(w, "int8")
     assert ((deq - w).abs() <= step[:, None] * 0.5 + 1e-6).all()
     for rows in (1, 5, 33):
         x = torch.randn(rows, 128).to(dtype)
-        want = x.float() @ q.dequantize().float().t()
+        want = x.float() @ deq.t()
         tol = 1e-4 if dtype == torch.float32 else 0.05 * want.abs().max().item()
         assert (q.matmul(x).float() - want).abs().max() <= tol
 
@@ -42,10 +43,10 @@ def test_int4_is_within_half_a_step_of_each_group_and_the_kernel_multiplies_by_i
     q = quantize_int4(w, dtype)
     groups = w.view(64, 4, INT4_GROUP)
     step = (groups.amax(-1) - groups.amin(-1)) / 15
-    deq = quantize_int4(w, torch.float32).dequantize().view(64, 4, INT4_GROUP)
-    assert ((deq - groups).abs() <= step[..., None] * 0.5 + 1e-5).all()
+    deq = dequantized(w, "int4")
+    assert ((deq.view(64, 4, INT4_GROUP) - groups).abs() <= step[..., None] * 0.5 + 1e-5).all()
     x = torch.randn(3, 4 * INT4_GROUP).to(dtype)
-    want = x.float() @ q.dequantize().float().t()
+    want = x.float() @ deq.t()
     tol = 1e-4 if dtype == torch.float32 else 0.05 * want.abs().max().item()
     assert (q.matmul(x).float() - want).abs().max() <= tol
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -66,8 +67,6 @@ def _dequantized_checkpoint(folder, kind: str, out):
     dequantized `kind` weight: what the quantized engine multiplies by."""
     from transformers import LlamaForCausalLM
 
-    from orthrus_rag.layers.quantized import QUANTIZERS
-
     model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     model.config.tie_word_embeddings = False
     with torch.no_grad():
@@ -75,7 +74,7 @@ def _dequantized_checkpoint(folder, kind: str, out):
         model.lm_head.weight = torch.nn.Parameter(head)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(QUANTIZERS[kind](module.weight, torch.float32).dequantize())
+                module.weight.copy_(dequantized(module.weight, kind))
     model.save_pretrained(str(out))
     return out
 
@@ -120,7 +119,9 @@ def test_int4_of_a_q4_1_files_layers_is_the_files_own_weights(smol_path):
     with safe_open(str(next(smol_path.glob("*.safetensors"))), "pt") as f:
         for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.17.mlp.down_proj.weight"):
             w = f.get_tensor(key).float()
-            assert torch.equal(quantize_int4(w, torch.float32).dequantize(), w), key
+            assert torch.equal(dequantized(w, "int4"), w), key
+            x = torch.randn(3, w.shape[1])  # and the kernel multiplies by them
+            torch.testing.assert_close(quantize_int4(w, torch.float32).matmul(x), x @ w.t(), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -52,11 +52,6 @@ class QuantWeight:
             y = _aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def dequantize(self) -> torch.Tensor:
-        """The weight [out, in] that the product multiplies by, in the scales' dtype (tests, references)."""
-        eye = torch.eye(self.in_features, dtype=self.scales.dtype)
-        return self.matmul(eye).t().contiguous()
-
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
@@ -71,26 +66,45 @@ def check_quantization(kind: str, device: str | torch.device) -> None:
                          f"use quantization=none on {torch.device(device).type}")
 
 
-def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None) -> QuantWeight:
-    """Symmetric per-output-row int8: scale = max |w| / 127 over the row."""
+def _int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: the codes [out, in] and the scales [out] (max |w| / 127 over the row)."""
     w = weight.detach().float()
     scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return QuantWeight("int8", q, scales.to(dtype or weight.dtype), w.shape[1], w.shape[0])
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
-def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None, group: int = INT4_GROUP) -> QuantWeight:
-    """Asymmetric int4 per group of `group` input columns: q = round((w - min) / scale), scale = (max - min) / 15,
-    stored as torch's kernel reads it (w = (q - 8) * scale + zero, so zero = min + 8 * scale)."""
+def _int4_parts(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` input columns: the codes [out, in] (0..15, q = round((w - min) /
+    scale), scale = (max - min) / 15), and per group [out, in / group] the scales and the zeros as torch's kernel
+    reads them (w = (q - 8) * scale + zero, so zero = min + 8 * scale)."""
     out_features, in_features = weight.shape
     if in_features % group:
         raise ValueError(f"int4 quantization needs in_features ({in_features}) to be a multiple of {group}")
     w = weight.detach().float().reshape(out_features, in_features // group, group)
     low, high = w.amin(dim=-1), w.amax(dim=-1)
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-    return int4_from_codes(q.reshape(out_features, in_features), scales, low + 8 * scales, dtype or weight.dtype,
-                           group)
+    codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.reshape(out_features, in_features), scales, low + 8 * scales
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype | None = None) -> QuantWeight:
+    q, scales = _int8_parts(weight)
+    return QuantWeight("int8", q.contiguous(), scales.to(dtype or weight.dtype), weight.shape[1], weight.shape[0])
+
+
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype | None = None, group: int = INT4_GROUP) -> QuantWeight:
+    codes, scales, zeros = _int4_parts(weight, group)
+    return int4_from_codes(codes, scales, zeros, dtype or weight.dtype, group)
+
+
+def dequantized(weight: torch.Tensor, kind: str, group: int = INT4_GROUP) -> torch.Tensor:
+    """The fp32 weight [out, in] that `kind`'s quantization of `weight` stands for, from its codes and scales (no
+    kernel): what the quantized product multiplies by, for references and tests."""
+    if kind == "int8":
+        q, scales = _int8_parts(weight)
+        return q.float() * scales[:, None]
+    codes, scales, zeros = _int4_parts(weight, group)
+    return (codes.float() - 8) * scales.repeat_interleave(group, 1) + zeros.repeat_interleave(group, 1)
 
 
 def int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
