@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from orthrus_rag.config.kernels import QUANTIZATIONS
+from orthrus_rag.layers.linear import PackedLinear, model_linears
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +130,6 @@ def quantize_linears(model: nn.Module, kind: str, keep: Callable[[nn.Linear], bo
     """Quantize every Linear of `model` that `keep` selects (fused projections through their carrier, whose parts'
     views are dropped too) to `kind`; plain ones become `linear.PackedLinear`, whose forward is `linear.linear`.
     Returns how many were quantized."""
-    from orthrus_rag.layers.linear import PackedLinear, model_linears
-
     if kind == "none":
         return 0
     quantize = QUANTIZERS[kind]
@@ -145,7 +144,7 @@ def quantize_linears(model: nn.Module, kind: str, keep: Callable[[nn.Linear], bo
         with torch.no_grad():
             child._quant = quantize(child.weight)  # type: ignore[assignment]
         after += child._quant.nbytes
-        child._onednn = None  # type: ignore[assignment]  # NOTE: a packed copy of the dense weight is stale now
+        vars(child).pop("_onednn", None)  # NOTE: a packed copy of the dense weight would be stale now
         _drop_dense(child)
         if name is None:  # a fusion's carrier: its parts' weights are views of the dense weight
             for fusion in getattr(parent, "fusions", {}).values():
@@ -158,7 +157,3 @@ def quantize_linears(model: nn.Module, kind: str, keep: Callable[[nn.Linear], bo
     if refresh is not None:
         refresh()
     return count
-
-
-def quant_of(module: nn.Module) -> QuantWeight | None:
-    return getattr(module, "_quant", None)

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -74,16 +75,14 @@ def gguf_source(name: str) -> Path | None:
 
 # a GGUF block format -> the weight-only form it maps to (layers/quantized.py): 4 bits or fewer -> int4; 5 to 8 bits
 # -> int8 (int4 would lose bits the file has); float -> none
-_GGUF_FORMS = {"F32": "none", "F16": "none", "BF16": "none", "Q8_0": "int8", "Q8_1": "int8", "Q6_K": "int8",
-               "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
+_GGUF_FORMS = {"F64": "none", "F32": "none", "F16": "none", "BF16": "none", "Q8_0": "int8", "Q8_1": "int8",
+               "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
 
 
 def gguf_quantization(path: Path) -> tuple[str, str]:
     """The quantizations (none | int8 | int4) nearest to a GGUF file's weights: (its layers', its LM head's). The
     layers' is the format most of its `blk.*` matrices are stored in (a Q4_K_M file keeps a few in Q6_K: int4); the
     head's is that of `output.weight`, or of the token embeddings it is tied to."""
-    from collections import Counter
-
     import gguf
 
     tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2}
