@@ -154,9 +154,15 @@ def model_linears(model: nn.Module) -> Iterator[tuple[nn.Module, str | None, nn.
                 yield parent, name, child
 
 
+def _packable(module: nn.Linear, keep: Callable[[nn.Linear], bool]) -> bool:
+    """Whether `pack_linears(model, keep)` packs `module`: selected, and not quantized (no dense weight to pack)."""
+    return keep(module) and getattr(module, "_quant", None) is None
+
+
 def linear_shapes(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m: True) -> list[tuple[int, int]]:
-    """The distinct (in, out) shapes of the Linears that `pack_linears(model, keep)` packs."""
-    return sorted({(m.in_features, m.out_features) for _, _, m in model_linears(model) if keep(m)})
+    """The distinct (in, out) shapes of the Linears that `pack_linears(model, keep)` packs (a quantized model's
+    layers have none, so their kernel is not timed)."""
+    return sorted({(m.in_features, m.out_features) for _, _, m in model_linears(model) if _packable(m, keep)})
 
 
 def pack_linears(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m: True, from_rows: int = 1) -> int:
@@ -166,7 +172,7 @@ def pack_linears(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m:
     packed."""
     count = 0
     for parent, name, child in model_linears(model):
-        if not keep(child) or getattr(child, "_quant", None) is not None:  # NOTE: no dense weight to pack
+        if not _packable(child, keep):
             continue
         if name is not None and type(child) is nn.Linear:
             child = PackedLinear(child)
