@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -103,6 +103,9 @@ class SamplingParams:
     """How a generation request samples its tokens (vLLM semantics)."""
 
     max_tokens: int = 16
+    # at least this many tokens before EOS, a stop token id or a stop string may end the output (vLLM's field):
+    # those tokens are masked out of sampling until then, and stop strings are not looked for
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -133,6 +136,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be a finite number, got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if self.top_k < -1:
@@ -151,10 +158,18 @@ class SamplingParams:
             if self.ignore_eos:
                 # NOTE: the grammar ends an output by allowing only EOS; ignoring it would run past the grammar
                 raise ValueError("ignore_eos cannot be combined with structured_outputs")
+            if self.min_tokens:
+                # NOTE: a grammar that is complete allows only EOS, which min_tokens would mask out
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def held_token_ids(self, eos_token_ids: Collection[int]) -> list[int]:
+        """The tokens kept out of sampling while fewer than `min_tokens` are out: every token that would stop the
+        output (EOS unless `ignore_eos`, and the stop token ids)."""
+        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids)))
 
 
 @dataclass

@@ -33,6 +33,7 @@ def no_models(monkeypatch):
     ("scheduler.policy=fifo", "scheduler: unknown scheduling policy 'fifo'"),
     ("deploy.max_in_flight=0", "deploy.max_in_flight"),
     ("serve.port=70000", "serve.port"),
+    ("serve.keep_alive_s=0", "serve.keep_alive_s"),
     ("pipeline.answer_format=yaml", "unknown answer_format 'yaml'"),
     ("pipeline.generation_adapter=sql", "pipeline.generation_adapter: unknown adapter 'sql'"),
     ("retriever.adapter=emb", "retriever.adapter: unknown adapter 'emb'"),

@@ -151,3 +151,18 @@ def test_a_running_server_is_a_benchmark_system(served):
     emb, gen = asyncio.run(main())
     torch.testing.assert_close(emb.embedding, served.reference[0].float(), atol=1e-5, rtol=0)
     assert gen.text and gen.finish_reason in ("length", "stop")
+
+
+def test_remote_generation_sends_vllms_extra_sampling_fields(remote):
+    """`ignore_eos`, `min_tokens`, `top_k` and the rest reach the server's engine: a reply that ends at EOS runs to
+    max_tokens when the params ignore it, over HTTP as in process."""
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+
+    async def main():
+        free = await remote.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0))
+        held = await remote.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, top_k=5))
+        return free, held
+
+    free, held = asyncio.run(main())
+    assert free.finish_reason == "stop" and held.finish_reason == "length"
+    assert held.text.startswith(free.text) and len(held.text) > len(free.text)

@@ -72,3 +72,35 @@ def test_logprobs_are_the_sampling_steps_raw_distribution(engine, hf_smol, smol_
             if k:
                 assert [i for i, _ in x.top] == row.topk(k).indices.tolist()
                 assert x.top[0][0] == x.token_id  # greedy took the best
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(engine, smol_tokenizer):
+    """vLLM's `min_tokens`: the tokens that would end the output are masked out of sampling until that many are
+    out, and no stop string ends it before then; the greedy tokens up to the first stop are those without it."""
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    free = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0))[0]
+    assert free.finish_reason == "stop" and len(free.token_ids) < 40, "the reply should end at EOS"
+    n = len(free.token_ids)
+    held = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, min_tokens=n + 4))[0]
+    assert len(held.token_ids) >= n + 4
+    assert held.token_ids[:n - 1] == free.token_ids[:n - 1]  # everything before the EOS it held back
+    assert not set(held.token_ids[:n + 3]) & engine.eos_token_ids
+    # a stop token id is held too, and ends the output once min_tokens are out
+    second = free.token_ids[1]
+    stop_id = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[second]))[0]
+    assert stop_id.token_ids == free.token_ids[:2] and stop_id.finish_reason == "stop"
+    held_id = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[second],
+                                                       min_tokens=3))[0]
+    assert second not in held_id.token_ids[:3] and len(held_id.token_ids) >= 3
+    # a stop string in the first tokens does not end it
+    first_word = smol_tokenizer.decode(free.token_ids[:1]).strip()
+    by_string = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop=[first_word],
+                                                         min_tokens=6))[0]
+    assert len(by_string.token_ids) >= 6 and by_string.text.startswith(first_word)
+
+
+def test_min_tokens_is_checked(engine):
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])

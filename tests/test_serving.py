@@ -395,3 +395,73 @@ def test_serve_command_refuses_bad_config_before_loading(overrides, message, tmp
     monkeypatch.setattr("orthrus_rag.engine.engine.Engine.from_config", no_model)
     assert main(["serve", *overrides, f"run_dir={tmp_path}"]) == 2  # the console script exits with it
     assert message in capsys.readouterr().err
+
+
+def test_vllm_extra_sampling_fields_reach_the_engine(served, client):
+    """What vLLM's clients and benchmarks send beside the OpenAI fields is honoured, not dropped: `ignore_eos` runs
+    a reply that ends at EOS to max_tokens, `min_tokens` holds its EOS back, `stop_token_ids` ends it, `top_k=1`
+    samples the greedy tokens at any temperature."""
+    base = {"model": served.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40,
+            "temperature": 0.0}
+    free = client.chat.completions.create(**base)
+    n = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and n < 30, "the reply should end at EOS"
+    through = client.chat.completions.create(**base, extra_body={"ignore_eos": True})
+    assert through.usage.completion_tokens == 40 and through.choices[0].finish_reason == "length"
+    held = client.chat.completions.create(**base, extra_body={"min_tokens": n + 3})
+    assert held.usage.completion_tokens >= n + 3
+    ids = served.engine.tokenizer(free.choices[0].message.content, add_special_tokens=False)["input_ids"]
+    cut = client.chat.completions.create(**base, extra_body={"stop_token_ids": [ids[1]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 2
+    prompt = {"model": served.model, "prompt": "The weather today is", "max_tokens": 6}
+    greedy = client.completions.create(**prompt, temperature=0.0)
+    top1 = client.completions.create(**prompt, temperature=2.0, seed=7, extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy.choices[0].text
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens
+    ({"stop_token_ids": [-2]}, "stop_token_ids"),
+])
+def test_extra_fields_the_engine_cannot_honour_are_400_naming_them(served, extra, named):
+    body = {"model": served.model, "prompt": "hi", "max_tokens": 4, **extra}
+    resp = httpx.post(f"{served.url}/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert named in resp.json()["error"]["message"]
+
+
+def test_unknown_fields_are_answered_with_a_header_naming_them(served):
+    """A field no schema knows is let through (newer clients keep working) but named in `X-Ignored-Fields`; the
+    neutral values of fields the engine cannot honour pass without it."""
+    body = {"model": served.model, "prompt": "hi", "max_tokens": 2, "temperature": 0.0,
+            "repetition_penalty": 1.0, "made_up_knob": 3, "another": True}
+    plain = httpx.post(f"{served.url}/completions", json=body, timeout=60)
+    assert plain.status_code == 200, plain.text
+    assert plain.headers["x-ignored-fields"] == "another, made_up_knob"
+    streamed = httpx.post(f"{served.url}/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 200 and streamed.headers["x-ignored-fields"] == "another, made_up_knob"
+    embedded = httpx.post(f"{served.url}/embeddings", json={"model": served.embedding_model, "input": "a",
+                                                           "normalize": True}, timeout=60)
+    assert embedded.status_code == 200 and embedded.headers["x-ignored-fields"] == "normalize"
+    known = httpx.post(f"{served.url}/completions", json={"model": served.model, "prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+    assert "x-ignored-fields" not in known.headers
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_pool_expiry(served):
+    """The server keeps an idle connection open longer than httpx's pool does (5 s), so the client, not the server,
+    is the side that closes it: a request on a reused connection never races the server's close. Past uvicorn's
+    5-s default the same connection (same client port) still answers."""
+    with httpx.Client(limits=httpx.Limits(keepalive_expiry=30.0), timeout=30) as http:
+        def port() -> int:
+            resp = http.get(f"{served.url}/models")
+            assert resp.status_code == 200
+            return resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+        first = port()
+        time.sleep(5.6)
+        assert port() == first

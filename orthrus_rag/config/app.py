@@ -115,6 +115,13 @@ class PipelineConf:
     force_follow_up: bool = True
 
 
+# An idle kept-alive connection's life on the server: longer than the clients' own pool expiry (httpx and the
+# openai client 5 s, aiohttp 15 s). uvicorn's and Ray Serve's default, 5 s, equals httpx's: a client reusing a
+# connection just as the server closes it for idleness reads a dropped connection (httpx.ReadError) on a request
+# that never ran. A server that keeps idle connections longer than its clients do never closes one under them.
+KEEP_ALIVE_S = 75.0
+
+
 @dataclass
 class ServeConf:
     """`orthrus-rag serve`: the OpenAI-compatible server over the configured engine (entrypoints/openai/)."""
@@ -125,6 +132,8 @@ class ServeConf:
     served_model_name: str | None = None  # the generation model's name in the API; None: model.name
     default_max_tokens: int = 512  # when a request gives no max_tokens
     log_level: str = "info"  # uvicorn's log level
+    # how long an idle kept-alive connection stays open (KEEP_ALIVE_S says why this long)
+    keep_alive_s: float = KEEP_ALIVE_S
     # with retriever.index_dir: the index /v1/search searches and /v1/documents adds to (kept in that folder);
     # create_index makes it there, empty, when the folder holds none
     create_index: bool = False

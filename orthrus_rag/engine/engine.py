@@ -79,8 +79,7 @@ class Engine:
             update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
             StepCostModel() if _sizes_steps_by_cost(config) or config.scheduler.slo.bounds_step_time else None,
             decode_margin=_sizes_steps_by_cost(config))
-        self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len,
-                                  min(self.eos_token_ids) if self.eos_token_ids else None)
+        self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len, self.eos_token_ids)
         # what each part of a step runs here, read from the loaded model and runner (engine/executor/plan.py)
         self.plan = describe(self.runner)
         logger.info("plan: %s", self.plan.summary())

@@ -105,8 +105,11 @@ def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int], max_seq
     params = req.sampling_params
     assert params is not None and req.output_token_ids, "update_output needs a generating request with a token"
     token_id = req.output_token_ids[-1]
+    # below min_tokens nothing stops the output: its stop tokens were masked out of sampling (runner), and a stop
+    # string found in the text so far is not looked for (vLLM's rule)
+    stoppable = len(req.output_token_ids) >= params.min_tokens
     # EOS / stop token: the token stays in output_token_ids but never reaches the text
-    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+    if stoppable and ((not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids):
         req.output_text = tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=True)
         return "stop"
     reason = None
@@ -122,7 +125,7 @@ def update_output(req: Request, tokenizer: Any, eos_token_ids: set[int], max_seq
     # tokens. Swap for offset-based incremental detokenisation if it shows up in profiles.
     prev_len = len(req.output_text)
     req.output_text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-    if params.stop and _truncate_at_stop(req, prev_len):
+    if params.stop and stoppable and _truncate_at_stop(req, prev_len):
         return "stop"
     return reason
 

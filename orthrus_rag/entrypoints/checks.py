@@ -186,6 +186,8 @@ def _check_serve(s: Any) -> None:
         raise ValueError(f"serve.default_max_tokens must be at least 1, got {s.default_max_tokens}")
     if not 0 <= s.port < 65536:
         raise ValueError(f"serve.port must be in [0, 65535], got {s.port}")
+    if not s.keep_alive_s > 0:
+        raise ValueError(f"serve.keep_alive_s must be a positive number of seconds, got {s.keep_alive_s}")
 
 
 def _check_run_settings(cfg: Any) -> None:

@@ -42,6 +42,20 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
     return chosen, [list(zip(ids, vals)) for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
 
 
+def hold_tokens(logits: torch.Tensor, held: dict[int, list[int]]) -> torch.Tensor:
+    """`logits` [n, V] with each held row's tokens at -inf (a generation short of its `min_tokens` holds the tokens
+    that would stop it: `SamplingParams.held_token_ids`). A copy: log-probabilities still read the model's own.
+    Ids past the vocabulary are skipped (they are never sampled anyway)."""
+    vocab = logits.size(1)
+    rows = [r for r, ids in held.items() for t in ids if t < vocab]
+    cols = [t for ids in held.values() for t in ids if t < vocab]
+    if not rows:
+        return logits
+    out = logits.clone()
+    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return out
+
+
 def uniforms(generators: list[torch.Generator | None], device: torch.device | str) -> torch.Tensor:
     """One fp64 uniform in [0, 1) per row: a seeded row's from its own generator (so its tokens do not depend on
     what else is in the batch), the others' from one call on the global generator."""

@@ -29,6 +29,10 @@ from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
 _REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority", "input_type"}
 
 
+_EXTRA_DEFAULTS: dict[str, Any] = {"top_k": 0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
+                                   "include_stop_str_in_output": False, "priority": 0}
+
+
 class RemoteClient:
     """`base_url`: the server's OpenAI base URL (ending in /v1). `max_in_flight` bounds what this client sends at
     once (the server's own limit answers 429 beyond it; the openai client retries those `max_retries` times)."""
@@ -91,8 +95,13 @@ class RemoteClient:
                 "temperature": p.temperature, "top_p": p.top_p, "stop": list(p.stop) or None}
         if p.seed is not None:
             args["seed"] = p.seed
+        # vLLM's extra sampling fields, sent only where they differ from the server's defaults
+        extra: dict[str, Any] = {name: getattr(p, name) for name, default in _EXTRA_DEFAULTS.items()
+                                 if getattr(p, name) != default}
         if p.structured_outputs is not None:
-            args["extra_body"] = {"structured_outputs": p.structured_outputs.as_request()}
+            extra["structured_outputs"] = p.structured_outputs.as_request()
+        if extra:
+            args["extra_body"] = extra
         return args
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

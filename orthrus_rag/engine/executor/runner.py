@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,7 +25,7 @@ from orthrus_rag.layers.attention import AttentionMetadata, build_metadata
 from orthrus_rag.layers.context import ForwardContext, forward_context
 from orthrus_rag.layers.lora import flat_lora_rows
 from orthrus_rag.layers.pooler import make_pooler_state, pool_whole
-from orthrus_rag.layers.sampler import Sampler, token_logprobs
+from orthrus_rag.layers.sampler import Sampler, hold_tokens, token_logprobs
 from orthrus_rag.structured.bitmask import MaskFiller, advance, constrain
 from orthrus_rag.outputs import TokenLogprob
 from orthrus_rag.models.llama import CausalLM
@@ -52,14 +52,17 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, dtype: torch.dtype,
-                 encoder: torch.nn.Module | None = None, max_seq_len: int = 0, eos_token_id: int | None = None) -> None:
+                 encoder: torch.nn.Module | None = None, max_seq_len: int = 0,
+                 eos_token_ids: Collection[int] = ()) -> None:
         """`num_blocks` KV blocks of `config.cache.block_size` tokens in `dtype` (the model's); attention, sampler and
         CUDA graphs as the execution plan chooses them for `config.model`'s kernels (engine/executor/plan.py); steps
         of at most `config.scheduler`'s token budget."""
         want, device = config.model.requested_kernels(), torch.device(config.model.device)
         block_size, max_num_batched_tokens = config.cache.block_size, config.scheduler.max_num_batched_tokens
         self.model = model
-        self.eos_token_id = eos_token_id  # what a constrained row whose grammar allows nothing is left with
+        self.eos_token_ids = frozenset(eos_token_ids)  # what a generation short of its min_tokens may not sample
+        # what a constrained row whose grammar allows nothing is left with
+        self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
         self.vocab_size = int(model.lm_head.weight.shape[0])  # the logits' width (the grammar masks')
         self.masks = MaskFiller()
         self.encoder = encoder
@@ -202,6 +205,10 @@ class ModelRunner:
                 keep_raw = any(r.grammar is not None and r.sampling_params.logprobs is not None for r in sample_reqs)
                 allowed = constrain(logits, grammars, self.eos_token_id, keep_raw,
                                     masks.result() if masks is not None else None)
+            held = {i: r.sampling_params.held_token_ids(self.eos_token_ids) for i, r in enumerate(sample_reqs)
+                    if len(r.output_token_ids) < r.sampling_params.min_tokens}
+            if held:
+                allowed = hold_tokens(allowed, held)
             sampled = self.sampler(allowed, [r.sampling_params for r in sample_reqs], [r.rng for r in sample_reqs])
             drawn = sampled.tolist()
             tokens = advance(grammars, drawn) if constrained else drawn

@@ -79,21 +79,46 @@ def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1
     async def model(model_id: str) -> ModelCard:
         return service.model_card(model_id)
 
+    ignoring = _IgnoredFields()
+
     @app.post("/v1/embeddings", dependencies=v1)
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
-        return JSONResponse(await service.embeddings(body, request.is_disconnected))
+        return JSONResponse(await service.embeddings(body, request.is_disconnected), headers=ignoring(body))
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.stream:
-            return _sse(generation.sse_events(await generation.completions_stream(service, body)))
-        return JSONResponse(await generation.completions(service, body, request.is_disconnected))
+            return _sse(generation.sse_events(await generation.completions_stream(service, body)), ignoring(body))
+        return JSONResponse(await generation.completions(service, body, request.is_disconnected),
+                            headers=ignoring(body))
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         if body.stream:
-            return _sse(generation.sse_events(await generation.chat_stream(service, body)))
-        return JSONResponse(await generation.chat(service, body, request.is_disconnected))
+            return _sse(generation.sse_events(await generation.chat_stream(service, body)), ignoring(body))
+        return JSONResponse(await generation.chat(service, body, request.is_disconnected), headers=ignoring(body))
+
+
+class _IgnoredFields:
+    """Fields of a request body that no schema knows are let through (newer clients keep working) but never in
+    silence: the answer names them in an `X-Ignored-Fields` header, and the log names each field once (not once a
+    request: a client sending one under load would flood it)."""
+
+    HEADER = "X-Ignored-Fields"
+
+    def __init__(self) -> None:
+        self.logged: set[str] = set()
+
+    def __call__(self, body: Any) -> dict[str, str]:
+        names = body.ignored()
+        if not names:
+            return {}
+        new = [n for n in names if n not in self.logged]
+        if new:
+            self.logged.update(new)
+            logger.warning("request fields this server does not know, ignored: %s", ", ".join(new))
+        # NOTE: header values are latin-1; a client's odd field name is escaped rather than failing the answer
+        return {self.HEADER: ", ".join(names).encode("ascii", "backslashreplace").decode()}
 
 
 def _authorizer(api_key: str | None):
@@ -107,9 +132,10 @@ def _authorizer(api_key: str | None):
     return authorize
 
 
-def _sse(events: Any) -> StreamingResponse:
+def _sse(events: Any, headers: dict[str, str] | None = None) -> StreamingResponse:
     # NOTE: Starlette cancels the body iterator when the client disconnects; the engine request is then aborted
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                             **(headers or {})})
 
 
 ENDPOINT_KINDS = {"/v1/embeddings": "embeddings", "/v1/completions": "completions", "/v1/chat/completions": "chat"}

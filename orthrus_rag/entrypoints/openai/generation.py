@@ -107,7 +107,8 @@ async def checked_constraint(client: Any, req: Any) -> StructuredOutputsParams |
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     bad = req.unsupported()
     if bad:
-        raise bad_request(f"not supported by this server: {', '.join(bad)}", "tools" if "tools" in bad[0] else None)
+        param = "tools" if "tools" in bad[0] else bad[0] if bad[0] in type(req).model_fields else None
+        raise bad_request(f"not supported by this server: {', '.join(bad)}", param)
 
 
 def _finish_reason(out: GenerationOutput) -> str | None:
@@ -136,7 +137,7 @@ async def _chat_params(service: OpenAIService, req: ChatCompletionRequest) -> li
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured = await checked_constraint(service.client, req)
     return [service.sampling_params(req.token_limit(), req.temperature, req.top_p, req.stop_list(), req.seed, i,
-                                    logprobs, structured, adapter) for i in range(req.n)]
+                                    logprobs, structured, adapter, **req.engine_sampling()) for i in range(req.n)]
 
 
 async def chat(service: OpenAIService, req: ChatCompletionRequest,
@@ -194,7 +195,7 @@ async def _completion_params(service: OpenAIService, req: CompletionRequest) -> 
     prompts = as_prompts(req.prompt)
     structured = await checked_constraint(service.client, req)
     params = [service.sampling_params(req.max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed, i,
-                                      req.logprobs, structured, adapter) for i in range(req.n)]
+                                      req.logprobs, structured, adapter, **req.engine_sampling()) for i in range(req.n)]
     return prompts, params
 
 

@@ -1,9 +1,12 @@
 """The OpenAI request bodies the server accepts, as pydantic models (the whole schema is validated before any
 request reaches the engine), and the response bodies it returns.
 
-Fields the OpenAI API has but this engine cannot honour (tools, images, penalties, logit bias, ...) are accepted
-by the schema and refused by `unsupported()` with a 400 that names them; fields it does not know are ignored,
-as OpenAI-compatible servers do, so newer clients keep working."""
+Fields the OpenAI API or vLLM's server has but this engine cannot honour (tools, images, penalties, logit bias,
+beam search, ...) are accepted by the schema at their defaults and refused by `unsupported()` with a 400 that names
+them; vLLM's extra sampling fields the engine does honour (`top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+...) reach `SamplingParams`. Fields no schema knows are let through, as OpenAI-compatible servers do, so newer
+clients keep working, but never silently: `ignored()` names them, and the server logs them and answers with an
+`X-Ignored-Fields` header."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ MAX_INPUTS = 2048  # per request, as OpenAI's embeddings endpoint
 MAX_TEXT_CHARS = 1_000_000  # a longer string cannot fit any model here; refuse before tokenizing it
 MAX_N = 16
 MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 64
 
 Text = str
 TokenIds = list[int]
@@ -23,7 +27,11 @@ TokenIds = list[int]
 class _Strict(BaseModel):
     # NOTE: NaN and infinity parse from Python's JSON ("NaN", "Infinity"); refuse them at the schema
     # strict: "0.5" is not a number and true is not a count (OpenAI refuses both); an int is still a float
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+    def ignored(self) -> list[str]:
+        """The body's top-level fields this schema does not know (and the server therefore does not act on)."""
+        return sorted(self.model_extra or {})
 
 
 class StreamOptions(_Strict):
@@ -55,6 +63,24 @@ class _Sampling(_Strict):
     guided_grammar: str | None = None
     # close a constrained output as its budget runs out (default on; StructuredOutputsParams.close_on_length)
     structured_close_on_length: bool | None = None
+    # vLLM's extra sampling fields that the engine honours (SamplingParams)
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    # vLLM's extra fields it cannot honour: accepted at their neutral values, refused by name otherwise
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    length_penalty: float | None = None
+    use_beam_search: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # only matters where special tokens are kept: never here
+    truncate_prompt_tokens: int | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -70,7 +96,17 @@ class _Sampling(_Strict):
             bad.append("logit_bias")
         if len(self.stop_list()) > MAX_STOP:
             bad.append(f"more than {MAX_STOP} stop sequences")
+        neutral = {"min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0),
+                   "use_beam_search": (False,), "allowed_token_ids": (None,), "bad_words": (None, []),
+                   "prompt_logprobs": (None,), "skip_special_tokens": (True,), "truncate_prompt_tokens": (None,)}
+        bad.extend(name for name, values in neutral.items() if getattr(self, name) not in values)
         return bad
+
+    def engine_sampling(self) -> dict[str, Any]:
+        """vLLM's extra fields as `SamplingParams` keyword arguments."""
+        return {"top_k": 0 if self.top_k is None else self.top_k, "min_tokens": self.min_tokens,
+                "ignore_eos": self.ignore_eos, "stop_token_ids": list(self.stop_token_ids or ()),
+                "include_stop_str_in_output": self.include_stop_str_in_output, "priority": self.priority}
 
 
 class CompletionRequest(_Sampling):

@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from orthrus_rag.config.app import KEEP_ALIVE_S
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.entrypoints.openai.api import build_app
 
@@ -44,7 +45,16 @@ def serve(cfg: Any) -> None:
     client = build_client(cfg)
     app = build_app(client, s.served_model_name, resolve_api_key(s.api_key), s.default_max_tokens,
                     index=open_live_index(cfg, client))
-    uvicorn.run(app, host=s.host, port=s.port, log_level=s.log_level)
+    uvicorn.Server(uvicorn_config(app, s.host, s.port, s.log_level, s.keep_alive_s)).run()
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info", keep_alive_s: float = KEEP_ALIVE_S,
+                   ) -> uvicorn.Config:
+    """How the app is served over HTTP, by `serve` and `ServerThread` alike."""
+    if not keep_alive_s > 0:
+        raise ValueError(f"serve.keep_alive_s must be a positive number of seconds, got {keep_alive_s}")
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          timeout_keep_alive=keep_alive_s)
 
 
 def _check_index(cfg: Any) -> None:
@@ -89,7 +99,8 @@ def _serve_on_ray(cfg: Any) -> None:
     from orthrus_rag.entrypoints.ray.app import application_of, start, stop
 
     s, d = cfg.serve, cfg.deploy
-    url = start(application_of(cfg, resolve_api_key(s.api_key)), s.host, s.port, d.ray_address, d.ray_num_cpus)
+    url = start(application_of(cfg, resolve_api_key(s.api_key)), s.host, s.port, d.ray_address, d.ray_num_cpus,
+                keep_alive_s=s.keep_alive_s)
     logger.info("serving %d engine replica(s) on Ray Serve at %s", d.replicas, url)
 
     def _interrupt(*_: Any) -> None:
@@ -120,11 +131,10 @@ class ServerThread:
     (`.../v1`). `stop()` shuts it down, and closes the client."""
 
     def __init__(self, client: EngineClient, host: str = "127.0.0.1", port: int = 0,
-                 startup_timeout_s: float = 30.0, **app_kwargs: Any) -> None:
+                 startup_timeout_s: float = 30.0, keep_alive_s: float = KEEP_ALIVE_S, **app_kwargs: Any) -> None:
         self.host, self.port = host, port or free_port(host)
         self.app = build_app(client, **app_kwargs)
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(self.app, self.host, self.port, "warning", keep_alive_s))
         self._thread = threading.Thread(target=self.server.run, name="orthrus-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + startup_timeout_s

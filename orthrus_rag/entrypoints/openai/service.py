@@ -145,16 +145,17 @@ class OpenAIService:
     def sampling_params(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
                         stop: list[str], seed: int | None, index: int, logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None, adapter: str | None = None,
-                        ) -> SamplingParams:
+                        **extra: Any) -> SamplingParams:
         """OpenAI defaults: temperature 1, top_p 1; `n` samples differ by seed (seed + index when one is given);
         `logprobs`: the top tokens to report per position (None: no log-probabilities); `structured`: the output
-        constraint (entrypoints/openai/generation.py)."""
+        constraint (entrypoints/openai/generation.py); `extra`: vLLM's extra sampling fields
+        (`_Sampling.engine_sampling`)."""
         try:
             return SamplingParams(max_tokens=max_tokens or self.default_max_tokens,
                                   temperature=1.0 if temperature is None else temperature,
                                   top_p=1.0 if top_p is None else top_p, stop=stop,
                                   seed=None if seed is None else (seed + index) % (2**63), logprobs=logprobs,
-                                  structured_outputs=structured, adapter=adapter)
+                                  structured_outputs=structured, adapter=adapter, **extra)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 

@@ -5,8 +5,10 @@ work (router.py). `ray.init(address=...)` joins an existing cluster; with no add
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
+from orthrus_rag.config.app import KEEP_ALIVE_S
 from orthrus_rag.entrypoints.ray.client import RETRIES, RayServeClient
 from orthrus_rag.entrypoints.ray.replica import EngineReplica
 
@@ -121,12 +123,15 @@ def stop() -> None:
 
 
 def start(application: Any, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
-          num_cpus: int | None = None) -> str:
-    """Deploy `application` behind HTTP (starting or joining Ray) and return the OpenAI base URL."""
+          num_cpus: int | None = None, keep_alive_s: float | None = None) -> str:
+    """Deploy `application` behind HTTP (starting or joining Ray) and return the OpenAI base URL.
+    `keep_alive_s`: the HTTP proxy's idle keep-alive (None: the in-process server's, KEEP_ALIVE_S)."""
     from ray import serve
 
     _init_ray(address, num_cpus)
-    serve.start(http_options={"host": host, "port": port})
+    # NOTE: Ray's proxy also defaults to 5 s, the clients' own expiry (config/app.py KEEP_ALIVE_S says why not)
+    serve.start(http_options={"host": host, "port": port,
+                              "keep_alive_timeout_s": int(math.ceil(keep_alive_s or KEEP_ALIVE_S))})
     serve.run(application, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}/v1"
 
