@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast test-bench docs adapter bench bench-all clean peers
+.PHONY: install demo test test-fast test-bench docs adapter bench bench-all clean peers peers-llamacpp
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -60,7 +60,8 @@ BENCH_EXPERIMENTS ?= chunk_equivalence ratio_sweep three_phase fcfs_blocking poi
 bench-all: install
 	for e in $(BENCH_EXPERIMENTS); do $(PY) scripts/benchmark.py experiment=$$e || exit 1; done
 
-# The measured peers (vLLM on CPU, transformers) live in their own venv so the default install stays light.
+# The measured peers (vLLM on CPU, transformers) live in their own venv and llama.cpp under build/llama.cpp, so the
+# default install stays light.
 # Needs apt as root for Debian's libtcmalloc-minimal4 (LD_PRELOAD, as vLLM's CPU docs advise); skipped when present.
 PEERS ?= .venv-peers
 PEERS_PIP := $(PEERS)/bin/python -m pip
@@ -80,7 +81,27 @@ $(PEERS)/.installed: pyproject.toml Makefile
 	$(PEERS)/bin/python -c "import vllm, transformers, orthrus_rag; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-peers: $(PEERS)/.installed
+# llama.cpp for the per-core rows (`bench_engine.py --peers llamacpp`) and the served pair: built for this CPU from
+# the source llama-cpp-python ships on PyPI (the registry is the only network it needs). AMX tiles are left out: this
+# llama.cpp's AMX kernels stop with SIGILL (tileloadd) on a KVM Xeon that lists AMX; its AVX-512 paths stay.
+LLAMACPP ?= build/llama.cpp
+LLAMACPP_VERSION ?= 0.3.36
+LLAMACPP_TOOLS := llama-server llama-bench llama-batched-bench llama-quantize llama-perplexity
+LLAMACPP_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+
+$(LLAMACPP)/bin/llama-server:
+	rm -rf $(LLAMACPP)/src $(LLAMACPP)/build && mkdir -p $(LLAMACPP)/src
+	python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP)
+	tar xzf $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP)/src --strip-components=1
+	cmake -S $(LLAMACPP)/src/vendor/llama.cpp -B $(LLAMACPP)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+		"-DCMAKE_C_FLAGS=$(LLAMACPP_FLAGS)" "-DCMAKE_CXX_FLAGS=$(LLAMACPP_FLAGS)"
+	cmake --build $(LLAMACPP)/build --target $(LLAMACPP_TOOLS)
+	ln -sfn build/bin $(LLAMACPP)/bin
+
+peers-llamacpp: $(LLAMACPP)/bin/llama-server
+
+peers: $(PEERS)/.installed peers-llamacpp
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

