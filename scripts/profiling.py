@@ -5,6 +5,7 @@ the C++ layer loop with and without its column split, and time each C++ kernel a
     python scripts/profiling.py phases --threads 1 --batch 32 --dtype auto               # wall time per runner part
     python scripts/profiling.py layer-split --rows 128 256 512                           # column split on and off
     python scripts/profiling.py kernels --threads 1 --dtype bfloat16 --only attention encoder
+    python scripts/profiling.py memory --model smollm2-135m-instruct --quantization auto      # memory after load
 
 These explain a figure rather than make one (docs/benchmarks/methodology.md). `python scripts/profiling.py
 COMMAND --help` describes each command and its options.
@@ -596,6 +597,59 @@ def _sampler(vocab: int = 49152, temperature: float = 0.7) -> None:
 # ---------------------------------------------------------------- the command line ------------------------------
 
 
+def _status_mib(key: str) -> float:
+    """A /proc/self/status figure (VmRSS, VmHWM) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {key} (Linux only)")
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Memory of a loaded engine: resident after `Engine.from_pretrained` above the process's own before it, the
+    peak during the load and the start-up calibration, and the bytes of the decoder's weights in every form it
+    holds them (dense, quantized, oneDNN's packed copies). Run one model and form per process: the peak is the
+    process's."""
+    import gc
+
+    from orthrus_rag import Engine
+    from orthrus_rag.memory import release_free_memory
+
+    torch.set_num_threads(args.threads)
+    gc.collect()
+    release_free_memory()
+    base = _status_mib("VmRSS")
+    engine = Engine.from_pretrained(args.model, quantization=args.quantization, num_blocks=args.num_blocks,
+                                    **dict(args.option))
+    gc.collect()
+    release_free_memory()
+    model = engine.runner.model
+    seen: set[int] = set()
+    dense = quantized = packed = 0
+
+    def size(t: torch.Tensor) -> int:
+        if not t.numel() or t.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(t.untyped_storage().data_ptr())
+        return t.untyped_storage().nbytes()
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        dense += size(t)
+    carriers = [f.carrier for m in model.modules() for f in vars(m).get("fusions", {}).values()]
+    for module in list(model.modules()) + carriers:
+        quant = vars(module).get("_quant")
+        if quant is not None:
+            quantized += size(quant.weight) + size(quant.scales)
+        if vars(module).get("_onednn") is not None and not getattr(module, "_fused", False):
+            packed += module.weight.numel() * module.weight.element_size()
+    out = {"model": args.model, "quantization": args.quantization, "resident_after_load_mib": _status_mib("VmRSS") - base,
+           "peak_mib": _status_mib("VmHWM") - base, "weights_dense_mb": dense / 1e6,
+           "weights_quantized_mb": quantized / 1e6, "weights_packed_copies_mb": packed / 1e6}
+    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -656,6 +710,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run each step on the model in fp32 and report each form's relative error from it")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the two forms")
+
+    p = command("memory", memory)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a model name, folder or GGUF file")
+    p.add_argument("--quantization", default="none", help="model.quantization: none, int8, int4 or auto")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--num-blocks", type=int, default=16, help="KV cache blocks (small: the weights are measured)")
+    p.add_argument("--option", **option)
 
     p = command("kernels", kernels)
     p.add_argument("--threads", type=int, default=1)

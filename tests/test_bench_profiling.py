@@ -69,3 +69,12 @@ def test_layer_split_times_both_forms_on_the_split_it_claims(profiling, smol_pat
         assert r["dtype"] == "float32" and r["max_abs_diff"] < 1e-3 and r["chunk_context"] == 24
         assert r["python_equals_whole"]  # the C++ loop is the Python loop's result, bit for bit
         assert r["whole_rel_err_vs_fp32"] == 0 and r["split_rel_err_vs_fp32"] < 1e-5  # fp32 against itself
+
+
+def test_memory_counts_each_form_of_the_weights(profiling):
+    """`memory`: an int4 engine holds its linears quantized, no packed copies, and only the token embeddings and
+    norms dense."""
+    int4 = profiling.main(["memory", "--quantization", "int4"])
+    assert int4["weights_quantized_mb"] > 50 and int4["weights_packed_copies_mb"] == 0
+    assert int4["weights_dense_mb"] < 60  # the bf16 token embeddings, and norms
+    assert int4["peak_mib"] >= int4["resident_after_load_mib"] > 0

@@ -138,6 +138,8 @@ class LoRALinear(nn.Linear):
         self.bias = base.bias
         if getattr(base, "_onednn", None) is not None:  # keep a packed base's oneDNN copy (layers/linear.py)
             self._onednn, self._onednn_from = base._onednn, packed_from(base)
+        if getattr(base, "_quant", None) is not None:  # and a quantized base's weight (layers/quantized.py)
+            self._quant = base._quant
         if getattr(base, "_fused", False):  # computed through a fused projection (layers/fused.py)
             self._fused = True
         self.scalings: dict[int, float] = {}

@@ -119,6 +119,22 @@ def int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 
 QUANTIZERS: dict[str, Callable[..., QuantWeight]] = {"int8": quantize_int8, "int4": quantize_int4}
+# rows quantized at a time by `quantize_rows`: a multiple of the int4 packing's 64-row blocks, so packed chunks
+# concatenated equal the whole matrix packed at once
+ROW_CHUNK = 4096
+
+
+def quantize_rows(read: Callable[[int, int], torch.Tensor], rows: int, kind: str, dtype: torch.dtype) -> QuantWeight:
+    """`kind`'s weight of a [rows, in] matrix read `ROW_CHUNK` rows at a time (`read(start, stop)`), so that the
+    whole matrix is never held in fp32 (a 128k-token embedding table is 2 GB in fp32). Both quantizations are per
+    row (int4's groups lie along a row), so the result equals quantizing the whole."""
+    parts = [QUANTIZERS[kind](read(start, min(start + ROW_CHUNK, rows)), dtype) for start in range(0, rows, ROW_CHUNK)]
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return QuantWeight(kind, torch.cat([q.weight for q in parts]),
+                       torch.cat([q.scales for q in parts], dim=0 if kind == "int8" else 1),
+                       first.in_features, rows, first.group)
 
 
 def _drop_dense(module: nn.Linear) -> None:
@@ -126,10 +142,15 @@ def _drop_dense(module: nn.Linear) -> None:
     module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
-def quantize_linears(model: nn.Module, kind: str, keep: Callable[[nn.Linear], bool] = lambda m: True) -> int:
+def quantize_linears(model: nn.Module, kind: str, keep: Callable[[nn.Linear], bool] = lambda m: True,
+                     weight_of: Callable[[nn.Linear], torch.Tensor | QuantWeight | None] | None = None,
+                     quiet: bool = False) -> int:
     """Quantize every Linear of `model` that `keep` selects (fused projections through their carrier, whose parts'
     views are dropped too) to `kind`; plain ones become `linear.PackedLinear`, whose forward is `linear.linear`.
-    Returns how many were quantized."""
+    `weight_of(layer)`: the weight to quantize where it is not the layer's own (the checkpoint's values, before
+    their copy in the model's dtype), or its quantized weight already made; the scales are in the layer's dtype
+    either way. Returns how many were
+    quantized; `quiet` logs the count at DEBUG (a loader quantizing layer by layer)."""
     if kind == "none":
         return 0
     quantize = QUANTIZERS[kind]
@@ -141,8 +162,10 @@ def quantize_linears(model: nn.Module, kind: str, keep: Callable[[nn.Linear], bo
             child = PackedLinear(child)
             setattr(parent, name, child)
         before += child.weight.numel() * child.weight.element_size()
+        source = weight_of(child) if weight_of is not None else None
         with torch.no_grad():
-            child._quant = quantize(child.weight)  # type: ignore[assignment]
+            child._quant = source if isinstance(source, QuantWeight) else quantize(  # type: ignore[assignment]
+                child.weight if source is None else source, child.weight.dtype)
         after += child._quant.nbytes
         vars(child).pop("_onednn", None)  # NOTE: a packed copy of the dense weight would be stale now
         _drop_dense(child)
@@ -152,7 +175,8 @@ def quantize_linears(model: nn.Module, kind: str, keep: Callable[[nn.Linear], bo
                     for part in fusion.names:
                         _drop_dense(getattr(parent, part))
         count += 1
-    logger.info("quantized %d linear layers to %s: %.0f MB -> %.0f MB", count, kind, before / 1e6, after / 1e6)
+    logger.log(logging.DEBUG if quiet else logging.INFO, "quantized %d linear layers to %s: %.0f MB -> %.0f MB",
+               count, kind, before / 1e6, after / 1e6)
     refresh = getattr(model, "kernel_inputs_changed", None)
     if refresh is not None:
         refresh()

@@ -347,8 +347,13 @@ class CausalLM(nn.Module):
     def fuse_projections(self) -> None:
         """Q/K/V and gate/up as one GEMM each (layers/fused.py). Call once the weights are on their device."""
         for layer in self.model.layers:
-            fuse(layer.self_attn, "qkv", Attention.QKV)
-            fuse(layer.mlp, "gate_up", MLP.GATE_UP)
+            self.fuse_layer(layer)
+
+    @staticmethod
+    def fuse_layer(layer: nn.Module) -> None:
+        """One decoder layer's Q/K/V and gate/up fused (the loader calls it as each layer's weights arrive)."""
+        fuse(layer.self_attn, "qkv", Attention.QKV)
+        fuse(layer.mlp, "gate_up", MLP.GATE_UP)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -64,6 +64,44 @@ def resolve_model_path(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=_HUB_PATTERNS))
 
 
+def decoder_files(name: str) -> tuple[Path, Path | None]:
+    """Where a decoder loads from: (the folder of its config and tokenizer, the GGUF file its weights are read from
+    directly, or None to read the folder's safetensors). A GGUF of an architecture that models/gguf_weights.py
+    reads gets a folder of its config and tokenizer only (made once): its weights are never converted. Any other
+    model: `resolve_model_path`."""
+    from orthrus_rag.models.gguf_weights import DIRECT_ARCHS, gguf_architecture
+
+    source = gguf_source(name)
+    if source is None or gguf_architecture(source) not in DIRECT_ARCHS:
+        return resolve_model_path(name), None
+    key = name if name in BUILTIN_MODELS else gguf_cache_name(source)
+    return gguf_meta(source, cache_root() / f"{key}.meta"), source
+
+
+def gguf_meta(gguf_path: Path, out_dir: Path) -> Path:
+    """The config and tokenizer of a GGUF checkpoint in a folder (made once; transformers reads them from the
+    file's metadata without touching its tensors)."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    from transformers import AutoConfig, AutoTokenizer
+
+    logger.info("reading the config and tokenizer of %s into %s (once)", gguf_path, out_dir)
+    folder, file = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process made it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
 def gguf_source(name: str) -> Path | None:
     """The GGUF file a model name loads from (a built-in GGUF or a .gguf path), else None."""
     if name in BUILTIN_MODELS:
@@ -83,9 +121,9 @@ def gguf_quantization(path: Path) -> tuple[str, str]:
     """The quantizations (none | int8 | int4) nearest to a GGUF file's weights: (its layers', its LM head's). The
     layers' is the format most of its `blk.*` matrices are stored in (a Q4_K_M file keeps a few in Q6_K: int4); the
     head's is that of `output.weight`, or of the token embeddings it is tied to."""
-    import gguf
+    from orthrus_rag.models.gguf_weights import gguf_summary
 
-    tensors = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    tensors = {name: form for name, (form, shape) in gguf_summary(path)[1].items() if len(shape) == 2}
     kinds = Counter(kind for name, kind in tensors.items() if name.startswith("blk."))
     layers = _GGUF_FORMS.get(kinds.most_common(1)[0][0], "int4") if kinds else "none"
     head = tensors.get("output.weight", tensors.get("token_embd.weight"))

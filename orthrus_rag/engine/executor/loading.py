@@ -16,12 +16,12 @@ from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.engine.executor.plan import choose_encoder, choose_layers, choose_linears, choose_lora
 from orthrus_rag.layers.linear import ROW_BUCKETS, choose_kernel, linear_shapes, onednn_available, pack_linears
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
-from orthrus_rag.layers.quantized import check_quantization, quantize_linears
+from orthrus_rag.layers.quantized import check_quantization
 from orthrus_rag.machine import ONEDNN_BF16_FLAGS, machine_key, remembered
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
 from orthrus_rag.models.loader import load_decoder
-from orthrus_rag.models.registry import (cache_root, gguf_quantization, gguf_source, resolve_adapter_path,
-                                         resolve_model_path)
+from orthrus_rag.models.registry import (cache_root, decoder_files, gguf_quantization, gguf_source,
+                                         resolve_adapter_path, resolve_model_path)
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,11 @@ def load_models(config: EngineConfig) -> LoadedModels:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     mc = config.model
-    path = resolve_model_path(mc.name)
+    path, gguf = decoder_files(mc.name)
     dtype = str(mc.torch_dtype).removeprefix("torch.")
     logger.info("loading decoder %s (%s on %s, %d threads) from %s", mc.name, dtype, mc.device,
-                torch.get_num_threads(), path)
-    model = load_decoder(path, mc.torch_dtype, mc.device)
+                torch.get_num_threads(), gguf or path)
+    model = load_decoder(path, mc.torch_dtype, mc.device, gguf, _quantization(mc.quantization, mc.name, mc.device))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     slots: dict[str, int] = {}
     adapters = mc.loaded_adapters()
@@ -72,26 +72,25 @@ def load_models(config: EngineConfig) -> LoadedModels:
         encoder_pooling = read_sentence_transformers_pooling(enc_path)
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
-    _quantize(model, mc.quantization, mc.name, mc.device)
     apply_kernels(mc.requested_kernels(), model, encoder, mc.torch_dtype, torch.device(mc.device))
     return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling)
 
 
-def _quantize(model: torch.nn.Module, quantization: str, name: str, device: str) -> None:
-    """Store the decoder's linears quantized (layers/quantized.py): after the adapters (LoRA stays in the model's
-    dtype on the quantized base), before the packing. `auto`: the GGUF file's own forms, layers and LM head apart
-    (a Q4_1 file's layers map exactly: each block's extremes are codes 0 and 15), else none."""
+def _quantization(quantization: str, name: str, device: str) -> tuple[str, str]:
+    """(the decoder layers' form, the LM head's) for `model.quantization` (layers/quantized.py), stored as the
+    weights load (models/loader.py), before adapters attach (LoRA stays in the model's dtype on the quantized base,
+    as QLoRA does). `auto`: the GGUF file's own forms, layers and LM head apart (a Q4_1 file's layers map exactly:
+    each block's extremes are codes 0 and 15), else none."""
     layers = head = quantization
     if quantization == "auto":
         source = gguf_source(name)
         layers, head = gguf_quantization(source) if source is not None else ("none", "none")
         logger.info("quantization auto: layers %s, LM head %s%s", layers, head,
                     f" (from {source.name})" if source is not None else "")
-    lm_head = getattr(model, "lm_head", None)
-    for kind, keep in ((layers, lambda m: m is not lm_head), (head, lambda m: m is lm_head)):
+    for kind in (layers, head):
         if kind != "none":
             check_quantization(kind, device)
-            quantize_linears(model, kind, keep)
+    return layers, head
 
 
 def apply_kernels(want: dict[str, str], model: torch.nn.Module, encoder: torch.nn.Module | None, dtype: torch.dtype,
