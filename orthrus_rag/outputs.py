@@ -38,6 +38,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt log-probabilities report it)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class GenerationOutput:
     metrics: RequestMetrics | None = None
     finished: bool = True  # False: a streaming snapshot (token_ids and text so far)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
+    # one per prompt token when SamplingParams.prompt_logprobs is set; the first is None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

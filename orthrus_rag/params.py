@@ -118,6 +118,10 @@ class SamplingParams:
     # None: no log-probabilities; k >= 0: each sampled token's log-probability and the k best at its position,
     # taken by the sampler in the step that samples the token
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's log-probability given the tokens before it (the first has none), its
+    # rank, and the k best at its position, from the prefill steps' own rows (vLLM's field; a perplexity is
+    # exp(-mean)). Such a request computes its whole prompt: no prefix-cache hit skips part of it
+    prompt_logprobs: int | None = None
     # a constraint on the output, applied as a token mask before sampling (orthrus_rag/structured/)
     structured_outputs: StructuredOutputsParams | None = None
     # a loaded LoRA adapter that generates (`model.adapters`), applied to this request's rows in every step, prompt
@@ -151,6 +155,9 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS} (top tokens per position), "
                              f"got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (top tokens per position), "
+                             f"got {self.prompt_logprobs}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise TypeError("structured_outputs must be a StructuredOutputsParams, got "

@@ -74,6 +74,7 @@ class FakeRunnerOutput:
     embeddings: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
     logprobs: dict = field(default_factory=dict)
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 def _stop_at_max_tokens(req: Request) -> str | None:

@@ -104,3 +104,31 @@ def test_min_tokens_is_checked(engine):
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[-1])
+
+
+def test_prompt_logprobs_are_the_reference_forwards_and_survive_chunking(engine, hf_smol, smol_tokenizer):
+    """`SamplingParams.prompt_logprobs`: each prompt token's log-probability given the ones before it, its rank and
+    the top k, from the prefill rows, equal to transformers' forward over the prompt; a prompt longer than a step's
+    budget (scored over several chunks) and one whose prefix the cache holds are scored whole."""
+    import torch
+
+    text = " ".join(f"Item {i}: a short note about number {i}." for i in range(12))
+    ids = smol_tokenizer(text)["input_ids"]
+    assert len(ids) > 64, "the prompt should span several prefill chunks"
+    engine.generate([text], SamplingParams(max_tokens=1, temperature=0.0))  # its prefix is now in the cache
+    out = engine.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    scored = out.prompt_logprobs
+    assert len(scored) == len(ids) and scored[0] is None
+    assert [s.token_id for s in scored[1:]] == ids[1:]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_smol(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor([s.logprob for s in scored[1:]])
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0)  # the engine computes in its dtype
+    for pos, s in enumerate(scored[1:], start=1):
+        assert len(s.top) == 2 and s.top[0][1] >= s.top[1][1]
+        assert (s.rank == 1) == (s.token_id == s.top[0][0])
+    plain = engine.generate([text], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert plain.prompt_logprobs is None
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

@@ -424,6 +424,8 @@ def test_vllm_extra_sampling_fields_reach_the_engine(served, client):
     ({"use_beam_search": True}, "use_beam_search"),
     ({"min_p": 0.1}, "min_p"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens
     ({"stop_token_ids": [-2]}, "stop_token_ids"),
 ])
@@ -465,3 +467,25 @@ def test_an_idle_kept_alive_connection_outlives_the_clients_pool_expiry(served):
         first = port()
         time.sleep(5.6)
         assert port() == first
+
+
+def test_prompt_logprobs_on_completions(served, client):
+    """vLLM's `prompt_logprobs` on /v1/completions: per prompt token (None for the first) its log-probability,
+    rank and decoded text under its id, beside the position's top tokens; the summed log-probabilities give the
+    same perplexity for equal prompts. Chat refuses it by name."""
+    prompt = "The capital of France is Paris. The capital of Italy is Rome."
+    body = {"model": served.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 2}
+    resp = httpx.post(f"{served.url}/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    scored = resp.json()["choices"][0]["prompt_logprobs"]
+    ids = served.engine.tokenizer(prompt)["input_ids"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for token_id, position in zip(ids[1:], scored[1:]):
+        entry = position[str(token_id)]
+        assert entry["logprob"] <= 0 and entry["rank"] >= 1 and isinstance(entry["decoded_token"], str)
+        assert 2 <= len(position) <= 3  # the prompt token and the two best (it may be one of them)
+    again = httpx.post(f"{served.url}/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    assert again == scored
+    chat = httpx.post(f"{served.url}/chat/completions", json={"model": served.model, "messages": CHAT,
+                                                              "max_tokens": 2, "prompt_logprobs": 1}, timeout=60)
+    assert chat.status_code == 400 and "prompt_logprobs" in chat.json()["error"]["message"]

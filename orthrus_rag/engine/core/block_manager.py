@@ -108,6 +108,8 @@ class PrefixCachingBlockManager(BlockManager):
     def match_prefix(self, req: Request) -> int:
         if req.kind is not RequestKind.GENERATE or req.num_computed_tokens or req.block_table:
             return 0
+        if req.sampling_params is not None and req.sampling_params.prompt_logprobs is not None:
+            return 0  # NOTE: its prompt log-probabilities come from computing every prompt row
         limit = (req.num_prompt_tokens - 1) // self.block_size  # NOTE: the last prompt token is always computed
         for name in self.block_names(req)[:limit]:
             block = self.block_of.get(name)

@@ -43,6 +43,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)  # TokenLogprob per output token, if asked for
+    prompt_logprobs: list[Any] = field(default_factory=list)  # TokenLogprob per prompt token from the second
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

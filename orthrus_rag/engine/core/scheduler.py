@@ -169,6 +169,8 @@ class Scheduler(SchedulerQueues):
         if self.cost_model is not None and step_time is not None:
             self.cost_model.observe(sched.shape(), step_time)
         for s in sched.scheduled:
+            if s.req.req_id in output.prompt_logprobs:
+                _record_prompt_logprobs(s.req, *output.prompt_logprobs[s.req.req_id])
             s.req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed(s.req)  # NOTE: before finished requests free their blocks
         for req in [s.req for s in sched.scheduled] + sched.encoder:
@@ -404,3 +406,11 @@ class Scheduler(SchedulerQueues):
             out.num_batched_tokens += num_new
             out.budget_used += num_new
             used += num_new
+
+
+def _record_prompt_logprobs(req: Request, first: int, scored: list) -> None:
+    """Append a step's prompt log-probabilities (positions `first`, `first` + 1, ...) to those `req` has
+    (positions 1 .. len): a request recomputed after preemption scores its prompt again, kept once."""
+    have = len(req.prompt_logprobs)
+    if first <= have + 1:
+        req.prompt_logprobs.extend(scored[have + 1 - first:])

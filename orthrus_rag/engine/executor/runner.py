@@ -34,6 +34,8 @@ from orthrus_rag.models.llama import CausalLM
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req_id -> new token
+    # req_id -> (the first prompt position scored, a TokenLogprob per position from it): SamplingParams.prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # req_id -> its new token's, if asked for
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> pooled result
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why its pooling failed
@@ -48,6 +50,9 @@ class RunnerOutput:
     num_adapter_embed_rows: int = 0  # embedding rows under a LoRA adapter
     num_adapters: int = 0  # distinct adapters with rows in the forward
     seconds: float | None = None  # the step's time on the device (`run_timed` below): what the cost model fits
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt rows turned into logits at a time (prompt log-probabilities)
 
 
 class ModelRunner:
@@ -194,6 +199,8 @@ class ModelRunner:
             else:
                 out.num_generate_rows += n
                 out.num_adapter_generate_rows += n if req.adapter_slot else 0
+                if req.sampling_params.prompt_logprobs is not None:
+                    self._prompt_logprobs(req, hidden[start:start + n], out)
             start += n
         if sample_reqs:
             rows = torch.tensor(sample_rows, device=self.device)
@@ -229,6 +236,26 @@ class ModelRunner:
         for i, lp, best in zip(rows, chosen, top):
             req = reqs[i]
             out.logprobs[req.req_id] = TokenLogprob(int(sampled[i]), lp, best[:req.sampling_params.logprobs])
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, out: RunnerOutput) -> None:
+        """Each prompt token's log-probability given the ones before it, from this chunk's rows: row j (position
+        p) predicts the token at p + 1 while that is a prompt token. Logits are taken `PROMPT_LOGITS_ROWS` rows at
+        a time, so a long chunk never holds [rows, vocabulary] in fp32 at once."""
+        first = req.num_computed_tokens  # this chunk's first position
+        rows = min(hidden.shape[0], req.num_prompt_tokens - 1 - first)
+        if rows <= 0:
+            return
+        k = req.sampling_params.prompt_logprobs
+        targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + rows], device=hidden.device)
+        scored: list[TokenLogprob] = []
+        for a in range(0, rows, PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, rows)
+            logits = self.model.compute_logits(hidden[a:b])
+            chosen, top = token_logprobs(logits, targets[a:b], k)
+            ranks = (torch.log_softmax(logits.float(), dim=-1) > torch.tensor(chosen, device=logits.device)[:, None])
+            for t, lp, best, rank in zip(targets[a:b].tolist(), chosen, top, (ranks.sum(1) + 1).tolist()):
+                scored.append(TokenLogprob(t, lp, best, rank))
+        out.prompt_logprobs[req.req_id] = (first + 1, scored)
 
     def _pool(self, req: Request, hidden: torch.Tensor, positions: torch.Tensor, n: int, out: RunnerOutput) -> None:
         if req.pooler_state is None:

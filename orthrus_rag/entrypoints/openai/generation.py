@@ -27,7 +27,7 @@ from typing import Any
 
 from orthrus_rag.outputs import GenerationOutput
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, bad_request
-from orthrus_rag.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from orthrus_rag.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from orthrus_rag.entrypoints.openai.schemas import ChatCompletionRequest, CompletionRequest
 from orthrus_rag.entrypoints.openai.service import Disconnected, OpenAIService, as_prompts, new_id
 from orthrus_rag.params import STRUCTURED_KINDS, StructuredOutputsParams
@@ -216,8 +216,11 @@ async def completions(service: OpenAIService, req: CompletionRequest,
         prompt_tokens += len(outs[0].prompt_token_ids)
         for i, out in enumerate(outs):
             logprobs = completion_logprobs(out.logprobs, service.tokenizer) if req.logprobs is not None else None
-            choices.append({"index": p_index * req.n + i, "text": out.text, "logprobs": logprobs,
-                            "finish_reason": _finish_reason(out)})
+            choice = {"index": p_index * req.n + i, "text": out.text, "logprobs": logprobs,
+                      "finish_reason": _finish_reason(out)}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs or [], service.tokenizer)
+            choices.append(choice)
         outs_all.extend(outs)
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
             "model": req.model, "choices": choices, "usage": _usage(outs_all, prompt_tokens)}
@@ -230,6 +233,9 @@ async def completions_stream(service: OpenAIService, req: CompletionRequest) -> 
         raise bad_request("stream=true takes one prompt per request", "prompt")
     if req.logprobs is not None:
         raise bad_request("logprobs are not supported with stream=true; ask without streaming", "logprobs")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not supported with stream=true; ask without streaming",
+                          "prompt_logprobs")
     service.reserve(len(params))
     rid, created, model = new_id("cmpl"), int(time.time()), req.model
 

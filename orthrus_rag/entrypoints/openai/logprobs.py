@@ -28,3 +28,20 @@ def chat_logprobs(items: list[TokenLogprob], tokenizer: Any) -> dict[str, Any]:
 
     return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(i, v) for i, v in x.top]}
                         for x in items], "refusal": None}
+
+
+def prompt_logprobs(items: list[TokenLogprob | None], tokenizer: Any) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token (None for the first), by token id, the
+    prompt token's entry and its position's top ones, each `{"logprob", "rank", "decoded_token"}`."""
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+
+    out: list[dict[str, Any] | None] = []
+    for x in items:
+        if x is None:
+            out.append(None)
+            continue
+        best = {str(i): entry(i, v, rank) for rank, (i, v) in enumerate(x.top, start=1)}
+        out.append({str(x.token_id): entry(x.token_id, x.logprob, x.rank), **{k: v for k, v in best.items()
+                                                                              if k != str(x.token_id)}})
+    return out

@@ -77,7 +77,7 @@ class _Sampling(_Strict):
     use_beam_search: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # completions only; not with stream
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # only matters where special tokens are kept: never here
     truncate_prompt_tokens: int | None = None
@@ -98,7 +98,7 @@ class _Sampling(_Strict):
             bad.append(f"more than {MAX_STOP} stop sequences")
         neutral = {"min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0),
                    "use_beam_search": (False,), "allowed_token_ids": (None,), "bad_words": (None, []),
-                   "prompt_logprobs": (None,), "skip_special_tokens": (True,), "truncate_prompt_tokens": (None,)}
+                   "skip_special_tokens": (True,), "truncate_prompt_tokens": (None,)}
         bad.extend(name for name, values in neutral.items() if getattr(self, name) not in values)
         return bad
 
@@ -106,7 +106,8 @@ class _Sampling(_Strict):
         """vLLM's extra fields as `SamplingParams` keyword arguments."""
         return {"top_k": 0 if self.top_k is None else self.top_k, "min_tokens": self.min_tokens,
                 "ignore_eos": self.ignore_eos, "stop_token_ids": list(self.stop_token_ids or ()),
-                "include_stop_str_in_output": self.include_stop_str_in_output, "priority": self.priority}
+                "include_stop_str_in_output": self.include_stop_str_in_output, "priority": self.priority,
+                "prompt_logprobs": self.prompt_logprobs}
 
 
 class CompletionRequest(_Sampling):
@@ -175,6 +176,8 @@ class ChatCompletionRequest(_Sampling):
                 bad.extend(f"{k} content" for k in sorted(kinds))
         if self.top_logprobs is not None and not self.logprobs:
             bad.append("top_logprobs without logprobs=true")
+        if self.prompt_logprobs is not None:
+            bad.append("prompt_logprobs (on /v1/completions)")
         return list(dict.fromkeys(bad))
 
     def token_limit(self) -> int | None:
