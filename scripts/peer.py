@@ -16,7 +16,8 @@ answers, serve an `orthrus-rag run` through it, or run one benchmark experiment'
   scripts/bench/harness.py runs under the peer's interpreter, for `peers=[...]` of scripts/benchmark.py).
 
 vLLM runs under `.venv-peers/bin/python` (`make peers` builds it, this project installed); transformers runs under
-either venv. The peers themselves are scripts/peers/vllm_peer.py and scripts/peers/hf_peer.py.
+either venv, and so does llama.cpp's client (`make peers-llamacpp` builds its servers). The peers themselves are
+scripts/peers/vllm_peer.py, scripts/peers/hf_peer.py and scripts/peers/llamacpp_peer.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SCRIPTS = Path(__file__).resolve().parent
-PEERS = ("vllm", "hf")
+PEERS = ("vllm", "hf", "llamacpp")
 
 TEXTS = [
     "The river runs past old mills and quiet towns toward a distant grey sea.",
@@ -172,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     peer = argparse.ArgumentParser(add_help=False)
     peer.add_argument("--peer", required=True, choices=PEERS, help="vllm: two vLLM engines, one core each (needs "
-                      "`make peers`); hf: transformers generation and embeddings, one thread each")
+                      "`make peers`); hf: transformers generation and embeddings, one thread each; llamacpp: two "
+                      "llama-servers, one core each (needs `make peers-llamacpp`)")
 
     p = commands.add_parser("smoke", parents=[peer], help=smoke.__doc__, description=smoke.__doc__)
     p.add_argument("--embed-model", default="smollm2-135m-instruct",

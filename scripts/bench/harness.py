@@ -152,8 +152,9 @@ def run_local(system: str, cfg: DictConfig, exp: ModuleType) -> dict[str, dict]:
 
 
 def peer_python(cfg: DictConfig, peer: str) -> str | None:
-    """The interpreter a peer runs under: vLLM needs the peers venv; transformers runs anywhere."""
-    if peer == "hf":
+    """The interpreter a peer runs under: vLLM needs the peers venv; transformers and llama.cpp's client (its
+    servers are their own processes) run anywhere."""
+    if peer in ("hf", "llamacpp"):
         return sys.executable
     path = Path(cfg.peers_python)
     path = path if path.is_absolute() else ROOT / path

@@ -16,7 +16,7 @@ from typing import Any
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, TokenLogprob
 from orthrus_rag.params import PoolingParams, SamplingParams
 
-PEERS = ("vllm", "hf")
+PEERS = ("vllm", "hf", "llamacpp")
 PEERS_DIR = Path(__file__).resolve().parents[1] / "peers"
 
 
@@ -94,13 +94,18 @@ class PeerClient:
 def make_peer(name: str, embed_model: str = "smollm2-135m-instruct", temperature: float = 0.7,
               return_embeddings: bool = False, **kwargs: Any) -> PeerClient:
     """`vllm`: two vLLM engines, one core each (needs the peers venv); `hf`: transformers continuous batching +
-    a padded-batch embedder, one thread each."""
+    a padded-batch embedder, one thread each; `llamacpp`: two llama-servers, one core each (`make peers-llamacpp`)."""
     if str(PEERS_DIR) not in sys.path:
         sys.path.insert(0, str(PEERS_DIR))
     if name == "vllm":
         from vllm_peer import VllmDedicatedPeer
 
         return PeerClient(VllmDedicatedPeer(embed_model=embed_model, **kwargs), return_embeddings)
+    if name == "llamacpp":
+        from llamacpp_peer import LlamaCppPairPeer
+
+        return PeerClient(LlamaCppPairPeer(embed_model=embed_model, temperature=temperature, **kwargs),
+                          return_embeddings)
     if name == "hf":
         from hf_peer import HfPeer
 
