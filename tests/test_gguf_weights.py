@@ -128,13 +128,30 @@ def test_the_shipped_gguf_read_directly_equals_its_conversion():
     """Every parameter of SmolLM2 read from its Q4_1 file directly equals the one transformers' GGUF reader gives
     (the conversion other tools load), in fp32; the engine's layers are stored int4 from the same values."""
     from orthrus_rag.models.loader import load_decoder
-    from orthrus_rag.models.registry import decoder_files, resolve_model_path
+    from orthrus_rag.models.registry import cache_root, gguf_meta, gguf_source, resolve_model_path
 
     name = "smollm2-135m-instruct"
-    folder, gguf_path = decoder_files(name)
-    assert gguf_path is not None and gguf_path.suffix == ".gguf"
-    direct = load_decoder(folder, torch.float32, "cpu", gguf_path)
+    gguf_path = gguf_source(name)
+    direct = load_decoder(gguf_meta(gguf_path, cache_root() / f"{name}.meta"), torch.float32, "cpu", gguf_path)
     converted = load_decoder(resolve_model_path(name), torch.float32, "cpu")
     theirs = dict(converted.named_parameters())
     for key, value in direct.named_parameters():
         assert torch.equal(value, theirs[key]), key
+
+
+def test_a_gguf_reads_directly_unless_a_conversion_exists(tmp_path, monkeypatch):
+    """`decoder_files`: a direct-read architecture gets a folder of its config and tokenizer and the file itself;
+    once a conversion exists (a tool asked for a transformers checkpoint), its safetensors are read instead (the
+    same weights: the test above)."""
+    from orthrus_rag.models.registry import decoder_files
+
+    monkeypatch.setenv("ORTHRUS_RAG_CACHE", str(tmp_path))
+    folder, gguf_path = decoder_files("smollm2-135m-instruct")
+    assert gguf_path is not None and gguf_path.suffix == ".gguf"
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert not list(folder.glob("*.safetensors"))
+    converted = tmp_path / "smollm2-135m-instruct"
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")
+    (converted / "model.safetensors").write_bytes(b"")
+    assert decoder_files("smollm2-135m-instruct") == (converted, None)

@@ -67,14 +67,18 @@ def resolve_model_path(name: str) -> Path:
 def decoder_files(name: str) -> tuple[Path, Path | None]:
     """Where a decoder loads from: (the folder of its config and tokenizer, the GGUF file its weights are read from
     directly, or None to read the folder's safetensors). A GGUF of an architecture that models/gguf_weights.py
-    reads gets a folder of its config and tokenizer only (made once): its weights are never converted. Any other
-    model: `resolve_model_path`."""
+    reads gets a folder of its config and tokenizer only (made once): its weights are never converted. Where a
+    conversion exists already (made for a tool that needs a transformers checkpoint), it is read instead: the same
+    weights, parameter for parameter, without dequantizing the file again. Any other model: `resolve_model_path`."""
     from orthrus_rag.models.gguf_weights import DIRECT_ARCHS, gguf_architecture
 
     source = gguf_source(name)
     if source is None or gguf_architecture(source) not in DIRECT_ARCHS:
         return resolve_model_path(name), None
     key = name if name in BUILTIN_MODELS else gguf_cache_name(source)
+    converted = cache_root() / key
+    if (converted / "config.json").is_file() and any(converted.glob("*.safetensors")):
+        return converted, None
     return gguf_meta(source, cache_root() / f"{key}.meta"), source
 
 
@@ -89,13 +93,19 @@ def gguf_meta(gguf_path: Path, out_dir: Path) -> Path:
     folder, file = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    return _publish(out_dir, [config, tokenizer])
+
+
+def _publish(out_dir: Path, parts: list) -> Path:
+    """`out_dir` made whole or not at all: each part's `save_pretrained` into a temporary sibling, renamed into
+    place; when another process published it first, its folder stays and this one is dropped."""
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    for part in parts:
+        part.save_pretrained(tmp)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.rename(out_dir)
-    except OSError:  # another process made it first
+    except OSError:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
@@ -154,14 +164,4 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [type(model).__name__]
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(out_dir)
-    except OSError:  # another process converted it first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return _publish(out_dir, [model, tokenizer])
