@@ -23,11 +23,9 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 import llamacpp_bench  # noqa: E402 (scripts/peers/: stdlib only)
+from llamacpp_peer import LlamaServer  # noqa: E402 (one llama-server, started and stopped as the pair's are)
 
 from orthrus_rag.config.build import parse_option  # noqa: E402
 
@@ -96,12 +95,6 @@ def bench_engine(model: str, quantization: str, chunks: list[list[int]], prompts
     return {"perplexity": perplexity(scored, args.ctx), "tokens": [o.token_ids for o in greedy]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_llamacpp(tools: Path, source: Path, quant: str, text_file: Path, prompts: list[list[int]],
                    args: argparse.Namespace, cpus: list[int]) -> dict[str, Any]:
     model = llamacpp_bench.model_file(tools, source, quant)
@@ -111,31 +104,14 @@ def bench_llamacpp(tools: Path, source: Path, quant: str, text_file: Path, promp
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", proc.stdout + proc.stderr)
     if proc.returncode != 0 or found is None:
         raise RuntimeError(f"llama-perplexity {quant} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
-    port = _free_port()
-    server = subprocess.Popen([str(tools / "llama-server"), "-m", str(model), "--port", str(port), "-t",
-                               str(len(cpus)), "-c", "2048", "-np", "1"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
-    try:
-        _wait_healthy(port, server)
-        tokens = [_complete(port, p, args.tokens) for p in prompts]
-    finally:
-        server.terminate()
-        server.wait(30)
-    return {"perplexity": float(found.group(1)), "tokens": tokens, "file": model.name}
-
-
-def _wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited {server.returncode} before it answered")
+    with tempfile.TemporaryDirectory() as logs:
+        server = LlamaServer(tools, model, cpus, ["-c", "2048", "-np", "1"], Path(logs) / "llama-server.log")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"llama-server did not answer within {timeout_s:.0f} s")
+            server.wait_healthy(120.0)
+            tokens = [_complete(server.port, p, args.tokens) for p in prompts]
+        finally:
+            server.stop()
+    return {"perplexity": float(found.group(1)), "tokens": tokens, "file": model.name}
 
 
 def _complete(port: int, prompt: list[int], tokens: int) -> list[int]:

@@ -70,7 +70,7 @@ def embed_gguf(tools: Path, model_dir: Path, name: str, quant: str = "BF16") -> 
     return out
 
 
-class _Server:
+class LlamaServer:
     """One llama-server process pinned to `cpus`, on a free loopback port."""
 
     def __init__(self, tools: Path, model: Path, cpus: list[int], args: list[str], log: Path) -> None:
@@ -134,9 +134,9 @@ class LlamaCppPairPeer(PollMixin):
         logs.mkdir(parents=True, exist_ok=True)
         self.temperature = temperature
         self.files = {"generate": gen_file.name, "embed": embed_file.name}
-        self._gen = _Server(tools_dir, gen_file, list(gen_cpus),
+        self._gen = LlamaServer(tools_dir, gen_file, list(gen_cpus),
                             ["-np", str(slots), "-c", str(slots * ctx_per_slot)], logs / "llamacpp-generate.log")
-        self._embed = _Server(tools_dir, embed_file, list(embed_cpus),
+        self._embed = LlamaServer(tools_dir, embed_file, list(embed_cpus),
                               ["--embedding", "--pooling", "mean", "-np", str(slots), "-c",
                                str(slots * ctx_per_slot)], logs / "llamacpp-embed.log")
         try:
@@ -173,7 +173,7 @@ class LlamaCppPairPeer(PollMixin):
         self.shutdown()
 
     # ------------------------------------------------------------------------------------------------ clients
-    def _post(self, server: _Server, path: str, body: dict) -> dict:
+    def _post(self, server: LlamaServer, path: str, body: dict) -> dict:
         """One request on this thread's kept-alive connection to `server` (a new one if the server closed it)."""
         conns = self._local.__dict__.setdefault("conns", {})
         payload = json.dumps(body).encode()
