@@ -6,6 +6,7 @@ the C++ layer loop with and without its column split, and time each C++ kernel a
     python scripts/profiling.py layer-split --rows 128 256 512                           # column split on and off
     python scripts/profiling.py kernels --threads 1 --dtype bfloat16 --only attention encoder
     python scripts/profiling.py memory --model smollm2-135m-instruct --quantization auto      # memory after load
+    python scripts/profiling.py rss --match "orthrus-rag serve" --match llama-server --seconds 120  # servers' memory
 
 These explain a figure rather than make one (docs/benchmarks/methodology.md). `python scripts/profiling.py
 COMMAND --help` describes each command and its options.
@@ -650,6 +651,57 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _rss_mib(pid: int) -> float:
+    """A process's resident memory in MiB (0 where it has gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _matching(pattern: str) -> list[int]:
+    """Pids of the processes (not this one) whose command line contains `pattern`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if pattern in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def rss(args: argparse.Namespace) -> dict[str, Any]:
+    """Resident memory of running servers while a load runs beside them: every `--interval` seconds for
+    `--seconds`, the summed RSS of the processes whose command line contains each `--match` pattern (all of a
+    pair's servers, a server and its workers); prints each pattern's peak and last sum in MiB. Start it next to a
+    load (`scripts/benchmark.py experiment=ratio_sweep ...`) to measure what the served models hold under it."""
+    peak = {p: 0.0 for p in args.match}
+    last = dict(peak)
+    procs: dict[str, int] = {p: 0 for p in args.match}
+    end = time.monotonic() + args.seconds
+    while time.monotonic() < end:
+        for pattern in args.match:
+            pids = _matching(pattern)
+            total = sum(_rss_mib(pid) for pid in pids)
+            if total:
+                last[pattern], procs[pattern] = total, len(pids)
+                peak[pattern] = max(peak[pattern], total)
+        time.sleep(args.interval)
+    out = {p: {"peak_mib": round(peak[p], 1), "last_mib": round(last[p], 1), "processes": procs[p]}
+           for p in args.match}
+    print(json.dumps(out))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -717,6 +769,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--num-blocks", type=int, default=16, help="KV cache blocks (small: the weights are measured)")
     p.add_argument("--option", **option)
+
+    p = command("rss", rss)
+    p.add_argument("--match", action="append", required=True, help="a command-line substring; repeatable")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--interval", type=float, default=0.5)
 
     p = command("kernels", kernels)
     p.add_argument("--threads", type=int, default=1)

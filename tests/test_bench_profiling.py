@@ -78,3 +78,26 @@ def test_memory_counts_each_form_of_the_weights(profiling):
     assert int4["weights_quantized_mb"] > 50 and int4["weights_packed_copies_mb"] == 0
     assert int4["weights_dense_mb"] < 60  # the bf16 token embeddings, and norms
     assert int4["peak_mib"] >= int4["resident_after_load_mib"] > 0
+
+
+def test_rss_sums_the_matching_processes_and_keeps_their_peak(profiling):
+    """Two sleeping children that hold known memory: their sum, its peak once one has exited, and none of a pattern
+    nothing matches."""
+    import subprocess
+    import sys
+
+    # NOTE: every page written, so all of it is resident
+    code = ("import sys, time; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); "
+            "time.sleep(float(sys.argv[2]))")
+    kids = [subprocess.Popen([sys.executable, "-c", code, str(mib), str(s), "rss-probe-marker"])
+            for mib, s in ((64, 3.0), (32, 1.5))]
+    try:
+        out = profiling.main(["rss", "--match", "rss-probe-marker", "--match", "no-such-process-anywhere",
+                              "--seconds", "2.5", "--interval", "0.2"])
+    finally:
+        for kid in kids:
+            kid.kill()
+    probe = out["rss-probe-marker"]
+    assert probe["processes"] >= 1 and 96 <= probe["peak_mib"] < 96 + 2 * 60  # two interpreters of < 60 MiB each
+    assert 64 <= probe["last_mib"] < probe["peak_mib"]  # the 32 MiB one exited first
+    assert out["no-such-process-anywhere"] == {"peak_mib": 0.0, "last_mib": 0.0, "processes": 0}

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from orthrus_rag.layers import cpu_elementwise
 from orthrus_rag.layers.attention import build_metadata, cpu_prefill, grouped
 from orthrus_rag.layers.context import ForwardContext, forward_context
-from orthrus_rag.layers.linear import onednn_available, pack_linears, pack_module
+from orthrus_rag.layers.linear import gemv_available, onednn_available, pack_linears, pack_module, use_gemv
 from orthrus_rag.layers.lora import LoRAAdapter, attach_adapters, set_lora_kernel, use_cpu_lora_kernel
 from orthrus_rag.models.llama import CausalLM
 
@@ -149,6 +149,32 @@ def test_the_loop_equals_the_python_loop_bit_for_bit(kind, lora, dtype, packed):
     assert (spy.taken, spy.left) == (5, 0)
     if slots:  # and the adapters did change the adapter rows
         assert not torch.equal(_steps(model, STEPS[:1], prefill_kernel)[0][0], got[0])
+
+
+@pytest.mark.parametrize("kind,lora", [("llama", None), ("qwen2", None), ("biases", None), ("llama", "kernel")])
+def test_steps_of_few_rows_take_the_few_row_product_in_both_loops(kind, lora):
+    """With the few-row bf16 product up to 3 rows (packed from 4 where oneDNN runs bf16): the steps of 1 and 3 rows
+    multiply by it, bit for bit in the C++ loop and the Python one, and within bf16's rounding of the model
+    without it."""
+    if (why := gemv_available(torch.bfloat16, "cpu")) is not None:
+        pytest.skip(f"the few-row bf16 product cannot run here: {why}")
+    prefill_kernel = cpu_prefill.prefill_kernel_runs(torch.bfloat16, 32)
+    slots = {0: 1, 2: 2} if lora == "kernel" else None
+    plain = _model(kind, torch.bfloat16, 4 if PACKED_BF16 else False, lora)
+    without, _ = _steps(plain, STEPS, prefill_kernel, slots)
+    model = _model(kind, torch.bfloat16, 4 if PACKED_BF16 else False, lora)
+    assert use_gemv(model, rows=3) == 3 * 4 + 1  # four products a layer (Q/K/V and gate/up fused) and the head
+    want, want_caches = _steps(model, STEPS, prefill_kernel, slots)  # NOTE: the Python loop first
+    assert model.use_cpu_layer_loop()
+    spy = model.model.layer_loop = Spy(model.model.layer_loop)
+    assert spy.loop.gemv_rows == 3
+    got, got_caches = _steps(model, STEPS, prefill_kernel, slots)
+    assert (spy.taken, spy.left) == (5, 0)
+    for g, w, o in zip(got, want, without):
+        assert torch.equal(g, w)
+        torch.testing.assert_close(g.float(), o.float(), rtol=0.05, atol=0.05 * o.float().abs().max().item())
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
 
 @pytest.mark.parametrize("kind,lora", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "kernel")])

@@ -185,3 +185,68 @@ def test_engine_results_equal_with_and_without_onednn():
     e_dense = torch.stack([o.embedding for o in dense.embed(texts, PoolingParams(pooling="mean"))])
     e_packed = torch.stack([o.embedding for o in packed.embed(texts, PoolingParams(pooling="mean"))])
     assert torch.nn.functional.cosine_similarity(e_dense, e_packed).min() > 0.99999
+
+
+def _needs_gemv():
+    why = linear_module.gemv_available(torch.bfloat16, "cpu")
+    if why is not None:
+        pytest.skip(f"the few-row bf16 product cannot run here: {why} (decode steps keep oneDNN or dense weights)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,n,bias", [(64, 7, False), (600, 1001, True), (576, 960, False)])
+def test_the_few_row_product_is_the_fp32_product_rounded_once(rows, k, n, bias):
+    """Each output is the exact fp32 dot product of bf16 operands rounded once to bf16: equal to it but for the
+    odd last bit where the two summation orders straddle a rounding boundary. K of 600 takes the masked tail."""
+    from orthrus_rag.layers.cpu_extension import kernels
+
+    _needs_gemv()
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else torch.empty(0, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    got = kernels().gemv_bf16(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6)
+    assert (got == want.to(torch.bfloat16)).float().mean() > 0.99
+
+
+@pytest.mark.slow
+def test_the_few_row_product_refuses_what_it_does_not_take():
+    from orthrus_rag.layers.cpu_extension import kernels
+
+    _needs_gemv()
+    w = torch.randn(8, 64).bfloat16()
+    none = torch.empty(0, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"x \[T <= 4, K\]"):
+        kernels().gemv_bf16(torch.randn(5, 64).bfloat16(), w, none)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        kernels().gemv_bf16(torch.randn(1, 64), w, none)
+    with pytest.raises(RuntimeError, match=r"the bias is \[N\] bf16"):
+        kernels().gemv_bf16(torch.randn(1, 64).bfloat16(), w, torch.randn(3).bfloat16())
+
+
+@pytest.mark.slow
+def test_few_rows_take_the_few_row_product_and_more_rows_the_other_kernel():
+    """`use_gemv` routes inputs of up to its row count (and only outside autograd) through the C++ product, the
+    rest through the packed or dense weight as before; a plain Linear becomes a PackedLinear for it."""
+    from orthrus_rag.layers.cpu_extension import kernels
+
+    _needs_gemv()
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(96, 80)).to(torch.bfloat16)
+    assert linear_module.use_gemv(seq, rows=2) == 1
+    lin = seq[0]
+    assert isinstance(lin, PackedLinear) and linear_module.gemv_rows(lin) == 2
+    assert linear_module.gemv_rows(LoRALinear(lin)) == 2  # an adapter attached later keeps it
+    x = torch.randn(3, 96).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(linear(lin, x[:2]), kernels().gemv_bf16(x[:2], lin.weight, lin.bias))
+        assert torch.equal(linear(lin, x.view(1, 3, 96)[:, :1]), kernels().gemv_bf16(x[:1], lin.weight,
+                                                                                    lin.bias).view(1, 1, 80))
+        assert torch.equal(linear(lin, x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    # NOTE: with autograd recording, the product that has a backward
+    assert torch.equal(linear(lin, x[:1]).detach(), torch.nn.functional.linear(x[:1], lin.weight, lin.bias).detach())
+    fp32 = nn.Sequential(nn.Linear(8, 8))
+    assert linear_module.use_gemv(fp32) == 0 and linear_module.gemv_rows(fp32[0]) == 0

@@ -137,7 +137,8 @@ CELLS = [
     ({"kernel_overrides": {"linears": "onednn"}}, {"linears": ("onednn", "layers oneDNN from 1 row, LM head oneDNN")}),
     ({"kernel_overrides": {"linears": "dense", "sampler": "torch"}},
      {"linears": ("dense", "layers dense, LM head dense"), "sampler": ("torch", "")}),
-    ({"kernels": "torch"}, {"layers": ("torch", "Python loop of torch ops")}),
+    ({"kernels": "torch"}, {"layers": ("torch", "Python loop of torch ops"), "decode_linears": ("off", "")}),
+    ({"kernel_overrides": {"decode_linears": "off"}}, {"decode_linears": ("off", "")}),
     ({"adapters": True}, {"lora": ("cpp", "one call per projection"), "layers": ("split", "C++ layer loop")}),
     ({"adapters": True, "kernel_overrides": {"lora": "torch"}},
      {"lora": ("torch", "products per adapter"), "layers": ("split", "C++ layer loop; steps with adapter rows")}),
@@ -205,6 +206,8 @@ def _runnable_here(part: str, choice: str) -> bool:
             return plan.choose_sampler(choice, cpu) == choice
         if part == "linears":
             return plan.choose_linears(choice, cpu, fp32) == choice
+        if part == "decode_linears":
+            return plan.choose_decode_linears(choice, cpu, fp32) == choice
     except ValueError:
         return False
     return False  # attention backends and CUDA graphs: one choice on the CPU (grouped, off), CUDA's the gpu set's
@@ -227,8 +230,11 @@ def test_the_bf16_bodies_this_cpu_has_are_planned_and_match_torch(tiny):
         plan = _engine(tiny, dtype="bfloat16", kernel_overrides={"linears": "dense"}).plan
         assert "AVX512-BF16" not in plan.summary() and "AMX" not in plan.summary()
         return
-    eng = _engine(tiny, dtype="bfloat16", kernel_overrides={"prefill_attention": "cpp"})
+    eng = _engine(tiny, dtype="bfloat16", kernel_overrides={"prefill_attention": "cpp", "decode_linears": "cpp"})
     assert str(eng.plan.cell("decode_attention")) == "decode_attention: cpp (AVX512-BF16 body)"
+    assert str(eng.plan.cell("decode_linears")) == ("decode_linears: cpp (AVX512-BF16 product on dense weights: "
+                                                    "layers up to 4 rows, LM head up to 4 rows)")
+    assert eng.plan.cell("decode_linears").needs == "avx512_bf16"
     assert str(eng.plan.cell("prefill_attention")) == f"prefill_attention: cpp ({_expected_bf16_attention()})"
     reference = _engine(tiny, dtype="bfloat16", kernels="torch", kernel_overrides={"linears": "auto"})
     _, vectors = _outputs(eng)
@@ -237,6 +243,9 @@ def test_the_bf16_bodies_this_cpu_has_are_planned_and_match_torch(tiny):
 
 
 def test_an_explicit_choice_this_machine_cannot_run_is_refused_with_the_reason(tiny):
+    with pytest.raises(ValueError, match="decode_linears=cpp cannot run here: it multiplies bf16 weights, not "
+                                         "float32; use off or auto"):
+        _engine(tiny, kernel_overrides={"decode_linears": "cpp"})
     with pytest.raises(ValueError, match="layers=compiled is the CUDA path"):
         _engine(tiny, kernel_overrides={"layers": "compiled"})
     with pytest.raises(ValueError, match="attention backend 'varlen' cannot run here"):

@@ -151,11 +151,11 @@ def test_an_embedding_target_bounds_every_step_so_an_arrival_waits_at_most_two()
     assert loose.chunks == plain.chunks
 
 
-def _decodes_and_queries(slo: SloConfig) -> FakeEngine:
+def _decodes_and_queries(slo: SloConfig, query_tokens: int = 48) -> FakeEngine:
     """40 generations decoding (60 ms of a step on the clock) and a 48-token query embedding every 10 steps."""
     eng = _engine(slo)
     arrivals = [(0, make_request(f"g{i}", "generate", 8, 120), None) for i in range(40)]
-    arrivals += [(10 * i + 5, make_request(f"e{i}", "embed", 48), None) for i in range(10)]
+    arrivals += [(10 * i + 5, make_request(f"e{i}", "embed", query_tokens), None) for i in range(10)]
     eng.run(arrivals)
     return eng
 
@@ -178,6 +178,38 @@ def test_decodes_yield_a_step_so_an_embedding_at_risk_fits_its_bound():
     last = {eng: max(r.finished_time for r in eng.requests if r.req_id.startswith("g")) for eng in (on, off)}
     assert last[on] <= 1.02 * last[off], last
     assert max(_gaps(on)) <= 2 * 0.092 + 1e-9
+
+
+def test_an_auto_embedding_target_schedules_as_the_fixed_target_it_predicts():
+    """`embed_p95_s=auto` is `auto_multiple` x the cost model's time of a step holding one embedding alone: with
+    32-token queries (the length assumed before any is seen, so the mean stays put) and a multiple that makes it
+    0.16 s, every step is the one the fixed 0.16 s target schedules, decodes yielding included."""
+    from orthrus_rag.engine.core.slo import AUTO_FIRST_TOKENS
+
+    n = int(AUTO_FIRST_TOKENS)
+    unloaded = BASE + PER_TOKEN * n  # the clock has no attention term
+    auto = _decodes_and_queries(SloConfig(embed_p95_s="auto", auto_multiple=0.16 / unloaded), query_tokens=n)
+    fixed = _decodes_and_queries(SloConfig(embed_p95_s=0.16), query_tokens=n)
+    assert auto.scheduler.targets.embed_target() == pytest.approx(0.16)
+    assert auto.chunks == fixed.chunks and auto.num_yielded == fixed.num_yielded > 0
+    assert [r.finished_time for r in auto.requests] == pytest.approx([r.finished_time for r in fixed.requests])
+
+
+@pytest.mark.parametrize("kind, per_token", [("embed", PER_TOKEN), ("encoder", PER_ENCODER_TOKEN)])
+def test_an_auto_embedding_target_follows_the_embeddings_it_sees(kind, per_token):
+    """The unloaded latency is predicted for the running mean of the embeddings' lengths, on the backbone or the
+    separate encoder as they arrive, and the target moves with it; bulk embeddings (an ingest) do not count."""
+    eng = _engine(SloConfig(embed_p95_s="auto"))
+    targets = eng.scheduler.targets
+    assert targets.embed_target() == pytest.approx(8.0 * (BASE + PER_TOKEN * 32))  # none seen: 32 on the backbone
+    for i in range(200):
+        eng.add(make_request(f"e{i}", kind, 160))
+    assert targets.embed_tokens == pytest.approx(160, abs=1)
+    assert targets.embed_target() == pytest.approx(8.0 * (BASE + per_token * 160), rel=0.01)
+    bulk = make_request("ingest", kind, 4000)
+    bulk.pooling_params.priority = 1
+    eng.add(bulk)
+    assert targets.embed_tokens == pytest.approx(160, abs=1)
 
 
 def test_a_decode_never_yields_past_its_inter_token_target():
@@ -208,6 +240,8 @@ def test_the_step_bound_is_the_tighter_target_that_applies():
 @pytest.mark.parametrize("bad, message", [
     ({"itl_s": 0}, "slo.itl_s must be a positive"),
     ({"embed_p95_s": -1.0}, "slo.embed_p95_s must be a positive"),
+    ({"embed_p95_s": "fast"}, "slo.embed_p95_s must be a positive number of seconds or 'auto', got 'fast'"),
+    ({"embed_p95_s": "auto", "auto_multiple": 1.0}, "slo.auto_multiple must be above 1"),
     ({"risk_fraction": 1.5}, "slo.risk_fraction must be in"),
 ])
 def test_bad_targets_are_named(bad, message):

@@ -125,19 +125,30 @@ class SloConfig:
     is at risk, and its kind gets the step's residual budget first (the other kind keeps its `min_share`). When
     no target is at risk the remaining-token split decides, as without targets. `embed_p95_s` also holds every
     step's predicted time to half of it (engine/core/slo.py), and with `yield_decodes` a decode may sit out one
-    step so that an embedding at risk fits in that bound (never two steps running, never past `itl_s`)."""
+    step so that an embedding at risk fits in that bound (never two steps running, never past `itl_s`).
+    `embed_p95_s="auto"` sets the target itself: `auto_multiple` times an embedding's own unloaded latency on this
+    machine, as the step-cost model predicts it (calibrated at start-up, refitted from every step)."""
 
     itl_s: float | None = None  # a decode's inter-token time at most (seconds)
     generate_p95_s: float | None = None  # a generation's end-to-end target (seconds)
-    embed_p95_s: float | None = None  # an embedding's end-to-end target (seconds)
+    embed_p95_s: float | str | None = None  # an embedding's end-to-end target (seconds), or "auto"
+    # "auto": the target is this many times an embedding's unloaded latency (a step of that embedding alone)
+    auto_multiple: float = 8.0
     risk_fraction: float = 0.5  # share of its target a request may wait before its kind goes first
     yield_decodes: bool = True  # a decode may sit out one step for an embedding at risk
 
     def __post_init__(self) -> None:
         for name in ("itl_s", "generate_p95_s", "embed_p95_s"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"slo.{name} must be a positive number of seconds, got {value}")
+            if name == "embed_p95_s" and isinstance(value, str):
+                if value != "auto":
+                    raise ValueError(f"slo.embed_p95_s must be a positive number of seconds or 'auto', got {value!r}")
+                continue
+            if value is not None and (isinstance(value, (str, bool)) or not value > 0):
+                raise ValueError(f"slo.{name} must be a positive number of seconds, got {value!r}")
+        if not self.auto_multiple > 1.0:
+            raise ValueError(f"slo.auto_multiple must be above 1 (the target is that many unloaded latencies), got "
+                             f"{self.auto_multiple}")
         if not 0.0 < self.risk_fraction <= 1.0:
             raise ValueError(f"slo.risk_fraction must be in (0, 1], got {self.risk_fraction}")
 

@@ -18,6 +18,9 @@ PARTS: dict[str, tuple[str, ...]] = {
     "layers": ("auto", "split", "loop", "fused", "compiled", "torch"),
     # linear layers on CPU: a oneDNN-packed copy of the weights from a row count timed at load, or dense weights
     "linears": ("auto", "onednn", "dense"),
+    # steps of a few rows (decodes at small batch) in bf16: "cpp" (the extension's AVX512-BF16 product on the dense
+    # weights, up to a row count timed at load), "off" (the linears part's kernel)
+    "decode_linears": ("auto", "cpp", "off"),
     # the attention backend: "varlen" (CUDA flash varlen), "grouped" (padded groups: C++ kernels or SDPA)
     "attention": ("auto", "varlen", "grouped"),
     "decode_attention": ("auto", "cpp", "sdpa"),  # decode rows over the paged cache (grouped backend)
@@ -34,7 +37,7 @@ KERNELS = ("auto", "torch")
 # quantized GGUF file's own form (int4 for 4-bit blocks, int8 for 5- to 8-bit ones), else none
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # `kernels=torch`: each part on torch's own ops
-TORCH: dict[str, str] = {"layers": "torch", "linears": "dense", "attention": "grouped", "decode_attention": "sdpa",
+TORCH: dict[str, str] = {"layers": "torch", "linears": "dense", "decode_linears": "off", "attention": "grouped", "decode_attention": "sdpa",
                          "prefill_attention": "sdpa", "encoder_attention": "sdpa", "lora": "torch",
                          "sampler": "torch", "cuda_graphs": "off"}
 

@@ -118,6 +118,10 @@ class LayerLoop:
         self.packed_from = froms.pop() if self.packed else 0
         if any(packed) and not self.packed:
             return
+        # steps of at most this many rows through the few-row bf16 product (linear.use_gemv gives all four of every
+        # layer one count); 0: none
+        rows = {linear.gemv_rows(m) for m in mods}
+        self.gemv_rows = rows.pop() if len(rows) == 1 and not self.quantized else 0
         weights: list[torch.Tensor] = []
         eps: list[float] = []
         nexts = [*(lr.input_layernorm for lr in model.layers[1:]), model.norm]
@@ -136,7 +140,7 @@ class LayerLoop:
             heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             intermediate=model.layers[0].mlp.fusions["gate_up"].sizes[0], scale=first.scale,
             packed_weights=[m._onednn[0] for m in mods] if self.packed else [], packed_from=self.packed_from,
-            adapter_tensors=lora_w, adapter_ints=lora_ints, adapter_scales=lora_scales,
+            gemv_rows=self.gemv_rows, adapter_tensors=lora_w, adapter_ints=lora_ints, adapter_scales=lora_scales,
             quant_weights=[q.weight for q in quants] if self.quantized else [],
             quant_scales=[q.scales for q in quants] if self.quantized else [],
             quant_group=quants[0].group if self.quantized else 0)

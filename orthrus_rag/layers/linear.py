@@ -11,6 +11,12 @@ against the packed weight, what inductor emits), so no activation is converted.
 `pack_linears` keeps a oneDNN copy of each Linear's weight (the dense Parameters stay, so state_dict, weight
 tying and adapters see no change) and routes the forward through it: a second copy of the linear weights in
 memory, acceptable for the small models the CPU path runs.
+
+A step of a few rows (a decode at small batch) reads every weight once and does little else, so its time is the
+weights' bytes over the memory bandwidth. In bf16 on a CPU with AVX512-BF16 the extension's few-row product
+(csrc/gemv_bf16.h) streams the dense weight at the core's read bandwidth, where oneDNN's packed product read it
+at 0.6-0.8 of that on an AMX Xeon. `use_gemv` routes inputs of up to `_gemv_rows` rows through it, on the dense
+weight (no copy); `choose_gemv_rows` times it against what those rows would run otherwise, once per machine.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ from orthrus_rag import machine
 
 logger = logging.getLogger(__name__)
 KERNELS = ("auto", "dense", "onednn")
+
+GEMV_MAX_ROWS = 4  # csrc/gemv_bf16.h kMaxRows
+GEMV_BUCKETS = (1, 2, 4)
+# bytes of weights each shape's timing cycles through: more than a last-level cache holds, so the products read
+# memory as a model's layers do (a single small weight stays in cache and times another kernel's best case)
+GEMV_TIMED_BYTES = 96 << 20
+GEMV_MAX_COPIES = 2048  # and no more weights than this (a tiny model's shapes: Python's overhead would time alone)
 
 
 PACKABLE = (torch.float32, torch.bfloat16)
@@ -96,13 +109,38 @@ def _packed_for(module: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch
     return packed
 
 
+def gemv_rows(module: nn.Module) -> int:
+    """Inputs of up to this many rows take `module`'s few-row bf16 product (0: none do)."""
+    return getattr(module, "_gemv_rows", 0)
+
+
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+
+
+def _gemv(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """`module`'s affine map of `x` by the few-row bf16 product, or None where `x` is not for it (more rows, another
+    dtype or device, or autograd recording: the C++ product has no backward)."""
+    rows = gemv_rows(module)
+    if (not rows or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0
+            or x.numel() > rows * x.shape[-1] or torch.is_grad_enabled()):
+        return None
+    from orthrus_rag.layers.cpu_extension import kernels
+
+    bias = module.bias if module.bias is not None else _NO_BIAS
+    y = kernels().gemv_bf16(x.reshape(-1, x.shape[-1]), module.weight, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module`'s affine map: on its quantized weight where it has one (layers/quantized.py), else on its oneDNN
-    copy when it has one and `x` has at least `packed_from` rows, else on the dense weight."""
+    """`module`'s affine map: on its quantized weight where it has one (layers/quantized.py), else by the few-row
+    bf16 product where `x` has at most `gemv_rows` rows, else on its oneDNN copy when it has one and `x` has at
+    least `packed_from` rows, else on the dense weight."""
     quant = getattr(module, "_quant", None)
     if quant is not None:
         y = quant.matmul(x)
         return y if module.bias is None else y + module.bias
+    if (y := _gemv(module, x)) is not None:
+        return y
     packed = _packed_for(module, x)
     return F.linear(x, module.weight, module.bias) if packed is None else onednn_linear(x, packed)
 
@@ -186,6 +224,41 @@ def pack_linears(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m:
     return count
 
 
+def gemv_available(dtype: torch.dtype, device: str | torch.device) -> str | None:
+    """Why the few-row bf16 product cannot run for `dtype` on `device` (None: it can)."""
+    if torch.device(device).type != "cpu":
+        return f"it runs on the CPU, not on {device}"
+    if dtype != torch.bfloat16:
+        return f"it multiplies bf16 weights, not {str(dtype).removeprefix('torch.')}"
+    from orthrus_rag.layers.cpu_extension import kernels
+
+    ext = kernels()
+    if ext is None:
+        return "the C++ CPU extension did not build (see the log for why)"
+    if not ext.gemv_bf16_runs():
+        return f"it needs avx512_bf16, which this build's CPU target ({machine.march()}) lacks"
+    return None
+
+
+def use_gemv(model: nn.Module, keep: Callable[[nn.Linear], bool] = lambda m: True, rows: int = GEMV_MAX_ROWS) -> int:
+    """Route inputs of up to `rows` rows (0: none) of every bf16 Linear of `model` that `keep` selects through the
+    few-row product, on its dense weight; plain ones become PackedLinear, as `pack_linears` makes them. Returns
+    how many."""
+    count = 0
+    for parent, name, child in model_linears(model):
+        if not _packable(child, keep) or child.weight.dtype != torch.bfloat16 or not child.weight.is_contiguous():
+            continue
+        if name is not None and type(child) is nn.Linear:
+            child = PackedLinear(child)
+            setattr(parent, name, child)
+        child._gemv_rows = rows  # type: ignore[assignment]
+        count += 1
+    refresh = getattr(model, "kernel_inputs_changed", None)  # NOTE: the layer loop reads the row count
+    if refresh is not None:
+        refresh()
+    return count
+
+
 def _time(fn, repeats: int = 3) -> float:
     fn()
     best = math.inf
@@ -229,3 +302,39 @@ def choose_kernel(shapes: Iterable[tuple[int, int]], rows: tuple[int, ...] = ROW
         "torch."), len(shapes), "dense" if choice is None else f"oneDNN from {choice} rows",
         ", ".join(f"{m}: {math.exp(v):.2f}" for m, v in logs.items()))
     return choice
+
+
+@torch.inference_mode()
+def choose_gemv_rows(shapes: Iterable[tuple[int, int]], packed_from_rows: int | None,
+                     rows: tuple[int, ...] = GEMV_BUCKETS) -> int:
+    """Up to how many rows the few-row bf16 product runs these (in, out) shapes faster than the kernel those rows
+    take otherwise (oneDNN's packed copy from `packed_from_rows` rows, else the dense weight): the largest bucket
+    of `rows` up to which it saves 5% at every bucket (geometric mean over the shapes), 0 where it does not at one
+    row. Timed over GEMV_TIMED_BYTES of weights per shape, as a step reads them: from memory."""
+    from orthrus_rag.layers.cpu_extension import kernels
+
+    ext = kernels()
+    logs = {m: 0.0 for m in rows}
+    shapes = sorted(set(shapes))
+    for k, n in shapes:
+        # NOTE: views of one tensor: thousands of tiny nn.Linear modules would cost more to make than to time
+        copies = min(GEMV_MAX_COPIES, max(1, GEMV_TIMED_BYTES // (2 * k * n)))
+        weights = (torch.randn(copies, n, k) * 0.02).to(torch.bfloat16)
+        packed = [pack_weight(w) for w in weights] if packed_from_rows is not None else []
+        for m in rows:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            ours = _time(lambda: [ext.gemv_bf16(x, w, _NO_BIAS) for w in weights])
+            if packed and m >= packed_from_rows:
+                theirs = _time(lambda: [_POINTWISE(x, p, None, "none", [], "") for p in packed])
+            else:
+                theirs = _time(lambda: [F.linear(x, w) for w in weights])
+            logs[m] += math.log(ours / theirs) / len(shapes)
+        del weights, packed
+    chosen = 0
+    for m in rows:
+        if logs[m] >= math.log(0.95):
+            break
+        chosen = m
+    logger.debug("few-row bf16 product (%d shapes): up to %d rows; its time / the other kernel's per rows: %s",
+                 len(shapes), chosen, ", ".join(f"{m}: {math.exp(v):.2f}" for m, v in logs.items()))
+    return chosen

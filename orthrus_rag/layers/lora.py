@@ -31,7 +31,7 @@ from torch import nn
 
 from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.wrapping import wrap_once
-from orthrus_rag.layers.linear import linear, packed_from
+from orthrus_rag.layers.linear import gemv_rows, linear, packed_from
 from orthrus_rag.layers.lora_fused import LoRAGroup, cached_group, forget_groups
 from orthrus_rag.layers.row_deltas import attach_full_deltas, check_full_deltas, load_full_deltas
 
@@ -140,6 +140,8 @@ class LoRALinear(nn.Linear):
             self._onednn, self._onednn_from = base._onednn, packed_from(base)
         if getattr(base, "_quant", None) is not None:  # and a quantized base's weight (layers/quantized.py)
             self._quant = base._quant
+        if gemv_rows(base):  # and the rows its few-row product takes (layers/linear.py)
+            self._gemv_rows = gemv_rows(base)
         if getattr(base, "_fused", False):  # computed through a fused projection (layers/fused.py)
             self._fused = True
         self.scalings: dict[int, float] = {}

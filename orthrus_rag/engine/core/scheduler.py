@@ -103,6 +103,8 @@ class Scheduler(SchedulerQueues):
         # the step's time bound and token cap from the cost model and latency targets (step_sizing.py)
         self.sizing = StepSizer(config, cost_model if config.cost_budget is not False
                                 and self.policy.sizes_steps_by_cost else None, self.targets, decode_margin)
+        if self.targets is not None:  # NOTE: read when asked: the engine may set the model after (cost_model)
+            self.targets.cost_model = lambda: self.sizing.cost_model
         # every unfinished request by id: the one registry of request state (waiting, running, handed off)
         self.requests: dict[str, Request] = {}
 
@@ -118,6 +120,8 @@ class Scheduler(SchedulerQueues):
     def add(self, req: Request) -> None:
         self._register(req)
         self.waiting.append(req)
+        if self.targets is not None and req.is_embed and not req.is_bulk:
+            self.targets.note_embedding(req)
 
     def _register(self, req: Request) -> None:
         if req.req_id in self.requests:

@@ -13,8 +13,11 @@ from transformers import AutoTokenizer
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.embedding_formats import adapter_prefixes
-from orthrus_rag.engine.executor.plan import choose_encoder, choose_layers, choose_linears, choose_lora
-from orthrus_rag.layers.linear import ROW_BUCKETS, choose_kernel, linear_shapes, onednn_available, pack_linears
+from orthrus_rag.engine.executor.plan import (choose_decode_linears, choose_encoder, choose_layers, choose_linears,
+                                              choose_lora)
+from orthrus_rag.layers.linear import (GEMV_BUCKETS, GEMV_MAX_ROWS, ROW_BUCKETS, choose_gemv_rows, choose_kernel,
+                                       linear_shapes, model_linears, onednn_available, pack_linears, packed_from,
+                                       use_gemv)
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
 from orthrus_rag.layers.quantized import check_quantization
 from orthrus_rag.machine import ONEDNN_BF16_FLAGS, machine_key, remembered
@@ -107,6 +110,8 @@ def apply_kernels(want: dict[str, str], model: torch.nn.Module, encoder: torch.n
         head_dim = encoder.config.hidden_size // encoder.config.num_attention_heads
         encoder.cpu_attention_kernel = choose_encoder(want["encoder_attention"], device, dtype, head_dim) == "cpp"
     _pack(choose_linears(want["linears"], device, dtype), model, encoder, dtype, str(device))
+    if choose_decode_linears(want["decode_linears"], device, dtype) == "cpp":
+        _gemv(want["decode_linears"], model)
     # NOTE: last: the layer loop gathers the packed weights and the adapters as they are now
     if layers in ("split", "loop") and not model.use_cpu_layer_loop():
         if want["layers"] != "auto":
@@ -146,6 +151,30 @@ def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, 
     logger.debug("linear kernels (%s): %s%s", str(dtype).removeprefix("torch."), ", ".join(
         f"{group} {'dense' if rows is None else f'oneDNN from {rows} row' + 's' * (rows > 1)}"
         for group, rows in chosen.items()), why)
+
+
+def _gemv(want: str, model: torch.nn.Module) -> None:
+    """The few-row bf16 product for the decoder's layers and its LM head, each group up to its own row count
+    (`choose_gemv_rows` under `auto`, timed against the kernel `_pack` left it; GEMV_MAX_ROWS asked for by name)."""
+    head = getattr(model, "lm_head", None)
+    chosen = {}
+    for group, keep in (("layers", lambda m: m is not head), ("LM head", lambda m: m is head)):
+        shapes = linear_shapes(model, keep)
+        if not shapes:
+            continue
+        first = next(m for _, _, m in model_linears(model) if keep(m) and getattr(m, "_quant", None) is None)
+        from_rows = packed_from(first) if hasattr(first, "_onednn") else None
+        chosen[group] = rows = GEMV_MAX_ROWS if want == "cpp" else _gemv_rows(shapes, from_rows)
+        if rows:
+            use_gemv(model, keep, rows)
+    logger.debug("few-row bf16 product: %s", ", ".join(f"{g} up to {r} rows" for g, r in chosen.items()))
+
+
+def _gemv_rows(shapes: list[tuple[int, int]], from_rows: int | None) -> int:
+    """`choose_gemv_rows`, measured once per machine and remembered (as `_packed_from` is)."""
+    parts = ("gemv", torch.get_num_threads(), sorted(set(shapes)), from_rows, GEMV_BUCKETS)
+    return int(remembered(cache_root() / "linear_kernel.json", machine_key(*parts),
+                          lambda: str(choose_gemv_rows(shapes, from_rows))))
 
 
 def _packed_from(kernel: str, shapes: list[tuple[int, int]], dtype: torch.dtype, device: str) -> int | None:

@@ -149,6 +149,15 @@ def choose_linears(want: str, device: torch.device, dtype: torch.dtype) -> str:
     return want
 
 
+def choose_decode_linears(want: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"cpp" (the few-row bf16 product, layers/linear.py; `auto` then times up to how many rows at load) or "off"."""
+    from orthrus_rag.layers.linear import gemv_available
+
+    if want == "off":
+        return "off"
+    return _resolve("decode_linears", want, "cpp", gemv_available(dtype, device), "off")
+
+
 def choose_attention(want: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> ModuleType:
     """The attention backend: varlen flash attention on CUDA where its kernel takes the case, else grouped."""
     from orthrus_rag.layers.attention import select_backend
@@ -260,6 +269,19 @@ def _linears_cell(runner: Any, device: torch.device) -> Cell:
     return Cell("linears", choice, body)
 
 
+def _decode_linears_cell(runner: Any) -> Cell:
+    from orthrus_rag.layers.linear import gemv_rows
+
+    model = runner.model
+    head = getattr(model, "lm_head", None)
+    firsts = {group: next((r for m in module.modules() if (r := gemv_rows(m))), 0) if module is not None else 0
+              for group, module in (("layers", model.model), ("LM head", head))}
+    if not any(firsts.values()):
+        return Cell("decode_linears", "off")
+    body = ", ".join(f"{g} up to {_rows(r)}" for g, r in firsts.items() if r)
+    return Cell("decode_linears", "cpp", f"AVX512-BF16 product on dense weights: {body}", "avx512_bf16")
+
+
 def _layers_cell(runner: Any, device: torch.device) -> Cell:
     inner = getattr(runner.model, "model", runner.model)
     kind = getattr(inner, "elementwise", "torch")
@@ -332,8 +354,10 @@ def describe(runner: Any) -> ExecutionPlan:
     """The plan of a built runner (engine/executor/runner.py): what each part of its steps runs."""
     model, device = runner.model, torch.device(runner.device)
     dtype = next(model.parameters()).dtype
-    cells = [_layers_cell(runner, device), _linears_cell(runner, device),
-             *_attention_cells(runner, dtype, device)]
+    cells = [_layers_cell(runner, device), _linears_cell(runner, device)]
+    if device.type == "cpu":
+        cells.append(_decode_linears_cell(runner))
+    cells += _attention_cells(runner, dtype, device)
     if runner.encoder is not None:
         cells.append(_encoder_cell(runner.encoder, dtype))
     if (lora := _lora_cell(model)) is not None:
@@ -344,6 +368,6 @@ def describe(runner: Any) -> ExecutionPlan:
     return ExecutionPlan(str(device), isa, _dtype_name(dtype), torch.get_num_threads(), tuple(cells))
 
 
-__all__ = ["Cell", "ExecutionPlan", "choose_attention", "choose_cuda_graphs", "choose_decode", "choose_encoder",
-           "choose_layers", "choose_linears", "choose_lora", "choose_prefill", "choose_sampler", "cpu_isa",
-           "describe"]
+__all__ = ["Cell", "ExecutionPlan", "choose_attention", "choose_cuda_graphs", "choose_decode",
+           "choose_decode_linears", "choose_encoder", "choose_layers", "choose_linears", "choose_lora",
+           "choose_prefill", "choose_sampler", "cpu_isa", "describe"]

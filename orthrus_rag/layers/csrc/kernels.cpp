@@ -28,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
   m.def("lora_bf16_pairs", torch::wrap_pybind_function(lora_bf16_pairs), "lora_bf16_pairs");
+  m.def("gemv_bf16", torch::wrap_pybind_function(gemv_bf16), "gemv_bf16");
+  m.def("gemv_bf16_runs", torch::wrap_pybind_function(gemv_bf16_runs), "gemv_bf16_runs");
   m.def("layer_loop_pointwise", torch::wrap_pybind_function(layer_loop_pointwise), "layer_loop_pointwise");
   // the layer loop (layer_loop.h): its model's arguments, built once; a step's, built per step; the loop itself
   namespace py = pybind11;
@@ -36,18 +38,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LoopModel>(m, "LayerLoopModel", "The layer loop's arguments that hold for every step of one model")
       .def(py::init([](Tensors weights, std::vector<double> eps, Ints windows, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, int64_t intermediate, double scale, Tensors packed_weights,
-                       int64_t packed_from, Tensors adapter_tensors, Ints adapter_ints,
+                       int64_t packed_from, int64_t gemv_rows, Tensors adapter_tensors, Ints adapter_ints,
                        std::vector<double> adapter_scales, Tensors quant_weights, Tensors quant_scales,
                        int64_t quant_group) {
              return std::make_unique<LoopModel>(std::move(weights), std::move(eps), std::move(windows), heads,
                                                 kv_heads, head_dim, intermediate, scale, std::move(packed_weights),
-                                                packed_from, std::move(adapter_tensors), std::move(adapter_ints),
+                                                packed_from, gemv_rows, std::move(adapter_tensors), std::move(adapter_ints),
                                                 std::move(adapter_scales), std::move(quant_weights),
                                                 std::move(quant_scales), quant_group);
            }),
            py::kw_only(), py::arg("weights"), py::arg("eps"), py::arg("windows"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("scale"),
-           py::arg("packed_weights") = Tensors{}, py::arg("packed_from") = 0, py::arg("adapter_tensors") = Tensors{},
+           py::arg("packed_weights") = Tensors{}, py::arg("packed_from") = 0, py::arg("gemv_rows") = 0,
+           py::arg("adapter_tensors") = Tensors{},
            py::arg("adapter_ints") = Ints{}, py::arg("adapter_scales") = std::vector<double>{},
            py::arg("quant_weights") = Tensors{}, py::arg("quant_scales") = Tensors{}, py::arg("quant_group") = 0)
       .def("set_split", torch::wrap_pybind_function([](LoopModel& self, Tensors parts, Ints cols) {
@@ -59,6 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("head_dim", &LoopModel::head_dim)
       .def_readonly("intermediate", &LoopModel::intermediate)
       .def_readonly("packed_from", &LoopModel::packed_from)
+      .def_readonly("gemv_rows", &LoopModel::gemv_rows)
       .def_property_readonly("packed", [](const LoopModel& self) { return !self.packed_weights.empty(); })
       .def_property_readonly("quantized", [](const LoopModel& self) { return !self.quant_weights.empty(); })
       .def_property_readonly("split_threads", [](const LoopModel& self) {

@@ -90,6 +90,8 @@ struct LoopModel {
   double scale;
   std::vector<at::Tensor> packed_weights;
   int64_t packed_from;
+  // steps of at most this many rows multiply the dense bf16 weights by the few-row product (gemv_bf16.h); 0: never
+  int64_t gemv_rows;
   std::vector<at::Tensor> adapter_tensors;
   std::vector<int64_t> adapter_ints;
   std::vector<double> adapter_scales;
@@ -101,12 +103,13 @@ struct LoopModel {
 
   LoopModel(std::vector<at::Tensor> weights_, std::vector<double> eps_, std::vector<int64_t> windows_, int64_t heads_,
             int64_t kv_heads_, int64_t head_dim_, int64_t intermediate_, double scale_,
-            std::vector<at::Tensor> packed_weights_, int64_t packed_from_, std::vector<at::Tensor> adapter_tensors_,
+            std::vector<at::Tensor> packed_weights_, int64_t packed_from_, int64_t gemv_rows_,
+            std::vector<at::Tensor> adapter_tensors_,
             std::vector<int64_t> adapter_ints_, std::vector<double> adapter_scales_,
             std::vector<at::Tensor> quant_weights_, std::vector<at::Tensor> quant_scales_, int64_t quant_group_)
       : weights(std::move(weights_)), eps(std::move(eps_)), windows(std::move(windows_)), heads(heads_),
         kv_heads(kv_heads_), head_dim(head_dim_), intermediate(intermediate_), scale(scale_),
-        packed_weights(std::move(packed_weights_)), packed_from(packed_from_),
+        packed_weights(std::move(packed_weights_)), packed_from(packed_from_), gemv_rows(gemv_rows_),
         adapter_tensors(std::move(adapter_tensors_)), adapter_ints(std::move(adapter_ints_)),
         adapter_scales(std::move(adapter_scales_)), quant_weights(std::move(quant_weights_)),
         quant_scales(std::move(quant_scales_)), quant_group(quant_group_) {
@@ -118,6 +121,9 @@ struct LoopModel {
                 "layer_loop: ", kWeights, " weights and two eps per layer");
     TORCH_CHECK(packed_weights.empty() || static_cast<int64_t>(packed_weights.size()) == 4 * L,
                 "layer_loop: packed weights");
+    TORCH_CHECK(gemv_rows == 0 || (gemv_rows <= gemv_detail::kMaxRows && gemv_detail::runs() &&
+                                   weights[loop_detail::kQkvW].scalar_type() == at::kBFloat16),
+                "layer_loop: the few-row product takes bf16 weights and at most ", gemv_detail::kMaxRows, " rows");
     TORCH_CHECK(quant_weights.size() == quant_scales.size() &&
                     (quant_weights.empty() || (static_cast<int64_t>(quant_weights.size()) == 4 * L &&
                                                packed_weights.empty() && quant_group >= 0)),
@@ -205,6 +211,7 @@ torch::Tensor layer_loop(const LoopModel& model, torch::Tensor h, torch::Tensor 
   TORCH_CHECK(step.lora_slots.size() == step.lora_rows.size(), "layer_loop: one rows tensor per adapter slot");
   const bool use_packed = !packed_w.empty() && T >= model.packed_from;
   const bool quant = !model.quant_weights.empty();
+  const bool gemv = !quant && T <= model.gemv_rows;
   // the model's adapters where the step has adapter rows
   const bool adapter_rows = !step.lora_slots.empty();
   Adapters adapters{adapter_rows ? model.adapter_tensors : kNoTensors, adapter_rows ? model.adapter_ints : kNoInts,
@@ -246,7 +253,7 @@ torch::Tensor layer_loop(const LoopModel& model, torch::Tensor h, torch::Tensor 
     auto product = [&](const torch::Tensor& x, int64_t j, int64_t dense, int64_t b) {
       if (quant) return quantized(x, model.quant_weights[4 * l + j], model.quant_scales[4 * l + j], model.quant_group,
                                   w[b]);
-      return project(x, w[dense], pw ? pw + j : nullptr, w[b]);
+      return project(x, w[dense], pw ? pw + j : nullptr, w[b], gemv);
     };
     const torch::Tensor& kc = caches[2 * l];
     const torch::Tensor& vc = caches[2 * l + 1];

@@ -1,6 +1,8 @@
 // A step's product by a Linear's weight from C++ (the layer loop, layer_loop.h, and its column-split form,
-// layer_split.h): oneDNN's packed copy where there is one, as linear.onednn_linear multiplies, else the dense weight.
+// layer_split.h): the few-row bf16 product (gemv_bf16.h) where the step asks for it, else oneDNN's packed copy where
+// there is one, as linear.onednn_linear multiplies, else the dense weight.
 #pragma once
+#include "gemv_bf16.h"
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <optional>
@@ -28,8 +30,11 @@ inline at::Tensor packed(const at::Tensor& x, const at::Tensor& pw, const at::Te
   return pointwise().call(x, pw, bias(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-// x times the packed weight `pw` where there is one (defined), else the dense `w`; the same bias either way.
-inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor* pw, const at::Tensor& b) {
+// x times the dense `w` through the few-row bf16 product where `gemv` (the step's rows are few enough, layer_loop.h),
+// else the packed weight `pw` where there is one (defined), else `w`; the same bias each way.
+inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor* pw, const at::Tensor& b,
+                          bool gemv = false) {
+  if (gemv) return gemv_detail::product(x, w, b);
   if (pw) return packed(x, *pw, b);
   return at::linear(x, w, bias(b));
 }
