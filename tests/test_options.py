@@ -36,7 +36,7 @@ def test_parsed_options_build_an_engine_config():
 
 @pytest.mark.parametrize("options, message", [
     ({"kernels": "fast"}, "unknown kernels 'fast'; expected auto or torch"),
-    ({"kernel_overrides": {"attn": "sdpa"}}, "unknown part 'attn'; parts: layers, linears, attention"),
+    ({"kernel_overrides": {"attn": "sdpa"}}, "unknown part 'attn'; parts: layers, linears, decode_linears, attention"),
     ({"kernel_overrides": {"sampler": "fast"}}, "unknown choice 'fast' for sampler; expected auto, cpp, torch"),
 ])
 def test_a_bad_kernel_choice_names_the_valid_ones(options, message):
