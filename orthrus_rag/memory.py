@@ -45,11 +45,18 @@ def release_free_memory() -> bool:
 # alone at 0, and not at all with both off, at the same passages/s (a 4,096-token step's GEMMs dwarf building
 # their primitives); docs/benchmarks/corpus-embedding.md
 SHAPE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "LRU_CACHE_CAPACITY": "1"}
+# A server's steps do repeat shapes (decode-only steps of the same batch, whole-budget chunks), and building a
+# primitive costs more than a small step's GEMM: with both caches off a 5:5 load on two Xeon cores ran at 0.31x its
+# requests/s. At 1,024 entries each (the defaults) the same load left the server at 2,386 MiB resident, at 128 at
+# 2,051-2,095 MiB with the same requests/s; at 1:9 2,424 against 2,066 MiB at 0.93-0.96x (within that mix's
+# run-to-run spread); at 9:1 about the same either way (docs/benchmarks/ratio-sweep.md).
+SERVING_SHAPE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128"}
 
 
-def bound_shape_caches() -> dict[str, str]:
-    """Turn down oneDNN's per-shape caches for this process and the workers it starts, unless the user set them.
-    Both are read when oneDNN first runs, so call this before any model runs a step; returns the values in force."""
-    for name, value in SHAPE_CACHE_ENV.items():
+def bound_shape_caches(values: dict[str, str] = SHAPE_CACHE_ENV) -> dict[str, str]:
+    """Turn down oneDNN's per-shape caches (off by default: a process whose shapes never repeat; SERVING_SHAPE_CACHE_ENV
+    for a server) for this process and the workers it starts, unless the user set them. Both are read when oneDNN
+    first runs, so call this before any model runs a step; returns the values in force."""
+    for name, value in values.items():
         os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in SHAPE_CACHE_ENV}
+    return {name: os.environ[name] for name in values}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,23 @@ def test_two_different_run_folders_are_refused(tmp_path, no_models, capsys):
     assert not a.exists() and not b.exists()
     assert main(["run", "-m", f"run_dir={a}", f"hydra.sweep.dir={b}", "scheduler=orthrus,hetero_fcfs"]) == 2
     assert not a.exists() and not b.exists()
+
+
+def test_serve_bounds_onednns_shape_caches_before_any_model_loads(monkeypatch):
+    """A server's steps repeat shapes, so it keeps oneDNN's caches at SERVING_SHAPE_CACHE_ENV (not off, as an index
+    build does: a primitive costs more to build than a small step's GEMM); set before the client is built."""
+    import orthrus_rag.entrypoints.clients as clients
+    from orthrus_rag.memory import SERVING_SHAPE_CACHE_ENV
+
+    for name in SERVING_SHAPE_CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def stop(cfg):  # noqa: ANN001
+        seen.update({name: os.environ.get(name) for name in SERVING_SHAPE_CACHE_ENV})
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(clients, "build_client", stop)
+    with pytest.raises(SystemExit):  # NOTE: the console script reports the error and exits 1
+        main(["serve", "serve.port=8124"])
+    assert seen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128"}

@@ -29,8 +29,11 @@ def serve(cfg: Any) -> None:
     """`orthrus-rag serve`: build the engine from the composed config and serve it until interrupted."""
     from orthrus_rag.entrypoints.checks import validate
     from orthrus_rag.entrypoints.clients import build_client
+    from orthrus_rag.memory import SERVING_SHAPE_CACHE_ENV, bound_shape_caches
 
     validate(cfg)
+    # NOTE: before the engine loads (oneDNN reads them at its first primitive); Ray Serve's replicas inherit them
+    bound_shape_caches(SERVING_SHAPE_CACHE_ENV)
     s = cfg.serve
     if cfg.deploy.mode not in ("engine", "ray"):
         raise ValueError(f"serve runs one co-scheduled engine (deploy=engine) or its replicas on Ray Serve "
