@@ -36,6 +36,20 @@ def test_int8_is_within_half_a_step_and_the_kernel_multiplies_by_it(dtype):
         assert (q.matmul(x).float() - want).abs().max() <= tol
 
 
+def test_int8_takes_torchs_kernel_for_few_rows_and_the_widened_weight_for_many():
+    """Below INT8_DENSE_FROM rows torch's int8 kernel; from it the codes widened to bf16, the dense product and the
+    row scales after (torch's kernel takes time in proportion to the rows); the two agree to bf16's rounding."""
+    from orthrus_rag.layers.quantized import INT8_DENSE_FROM
+
+    torch.manual_seed(1)
+    q = quantize_int8(torch.randn(80, 64), torch.bfloat16)
+    x = torch.randn(INT8_DENSE_FROM, 64).bfloat16()
+    few, many = q.matmul(x[:-1]), q.matmul(x)
+    assert torch.equal(few, torch.ops.aten._weight_int8pack_mm(x[:-1], q.weight, q.scales))
+    assert torch.equal(many, torch.nn.functional.linear(x, q.weight.bfloat16()) * q.scales)
+    torch.testing.assert_close(many[:-1].float(), few.float(), rtol=2 ** -6, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_is_within_half_a_step_of_each_group_and_the_kernel_multiplies_by_it(dtype):
     torch.manual_seed(1)

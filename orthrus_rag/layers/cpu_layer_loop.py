@@ -36,6 +36,7 @@ from orthrus_rag.layers.context import get_forward_context
 from orthrus_rag.layers.cpu_extension import kernels
 from orthrus_rag.layers.cpu_layer_split import SPLIT_FROM, SplitParts
 from orthrus_rag.layers.lora_fused import LoRAGroup
+from orthrus_rag.layers.quantized import INT8_DENSE_FROM
 
 _NO_BIAS = torch.empty(0)  # csrc/layer_loop.h reads a zero-element bias as "none"
 _NO_ADAPTERS: tuple[list, list, list] = ([], [], [])
@@ -143,7 +144,8 @@ class LayerLoop:
             gemv_rows=self.gemv_rows, adapter_tensors=lora_w, adapter_ints=lora_ints, adapter_scales=lora_scales,
             quant_weights=[q.weight for q in quants] if self.quantized else [],
             quant_scales=[q.scales for q in quants] if self.quantized else [],
-            quant_group=quants[0].group if self.quantized else 0)
+            quant_group=quants[0].group if self.quantized else 0,
+            quant_dense_from=INT8_DENSE_FROM if self.quantized and self.quant_kind == "int8" else 0)
 
     def _split_parts(self) -> SplitParts | None:
         """The column-split parts for this step's thread count, made anew where it (or the switch) changed."""

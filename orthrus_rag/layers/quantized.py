@@ -25,6 +25,12 @@ from orthrus_rag.layers.linear import PackedLinear, model_linears
 logger = logging.getLogger(__name__)
 
 INT4_GROUP = 32  # the input columns sharing one scale and zero: GGUF's block (Q4_0 / Q4_1), the kernel's smallest
+# int8: from this many rows the weight is widened to the activations' dtype and multiplied by the dense product, its
+# row scales applied after. torch's int8 kernel takes time in proportion to the rows (it works through the weight
+# again for every few rows): on one Xeon core, SmolLM2's shapes in bf16, it was even with the widened product at 16
+# rows and 3.4-7.9x slower at 64-256 (gate/up at 256 rows: 12.3 ms against 1.6; the bf16 weight itself 1.0). The
+# codes are exact in bf16 and fp32, so only the output's rounding differs (once more, by the scale).
+INT8_DENSE_FROM = 16
 # NOTE: the int4 kernel's K tiling: 1 is the packing torch's own CPU int4 path (torchao, gpt-fast) uses
 _INNER_K_TILES = 1
 _aten = torch.ops.aten
@@ -47,7 +53,10 @@ class QuantWeight:
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        if self.kind == "int8":
+        if self.kind == "int8" and rows.shape[0] >= INT8_DENSE_FROM:
+            # NOTE: as the C++ layer loop computes it (csrc/packed_product.h `quantized`), op for op
+            y = torch.nn.functional.linear(rows, self.weight.to(rows.dtype)).mul_(self.scales)
+        elif self.kind == "int8":
             y = _aten._weight_int8pack_mm(rows, self.weight, self.scales)
         else:
             y = _aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group, self.scales)

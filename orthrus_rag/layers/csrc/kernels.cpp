@@ -40,19 +40,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t head_dim, int64_t intermediate, double scale, Tensors packed_weights,
                        int64_t packed_from, int64_t gemv_rows, Tensors adapter_tensors, Ints adapter_ints,
                        std::vector<double> adapter_scales, Tensors quant_weights, Tensors quant_scales,
-                       int64_t quant_group) {
+                       int64_t quant_group, int64_t quant_dense_from) {
              return std::make_unique<LoopModel>(std::move(weights), std::move(eps), std::move(windows), heads,
                                                 kv_heads, head_dim, intermediate, scale, std::move(packed_weights),
                                                 packed_from, gemv_rows, std::move(adapter_tensors), std::move(adapter_ints),
                                                 std::move(adapter_scales), std::move(quant_weights),
-                                                std::move(quant_scales), quant_group);
+                                                std::move(quant_scales), quant_group, quant_dense_from);
            }),
            py::kw_only(), py::arg("weights"), py::arg("eps"), py::arg("windows"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("scale"),
            py::arg("packed_weights") = Tensors{}, py::arg("packed_from") = 0, py::arg("gemv_rows") = 0,
            py::arg("adapter_tensors") = Tensors{},
            py::arg("adapter_ints") = Ints{}, py::arg("adapter_scales") = std::vector<double>{},
-           py::arg("quant_weights") = Tensors{}, py::arg("quant_scales") = Tensors{}, py::arg("quant_group") = 0)
+           py::arg("quant_weights") = Tensors{}, py::arg("quant_scales") = Tensors{}, py::arg("quant_group") = 0,
+           py::arg("quant_dense_from") = 0)
       .def("set_split", torch::wrap_pybind_function([](LoopModel& self, Tensors parts, Ints cols) {
              self.set_split(std::move(parts), std::move(cols));
            }), py::arg("parts"), py::arg("cols"))

@@ -99,6 +99,7 @@ struct LoopModel {
   // step multiplies by them (quant_group 0: int8, else int4 in groups of quant_group)
   std::vector<at::Tensor> quant_weights, quant_scales;
   int64_t quant_group;
+  int64_t quant_dense_from;  // int8: steps of at least this many rows widen the weight (0: never; packed_product.h)
   std::shared_ptr<const split_detail::Parts> split;  // null: no column-split form
 
   LoopModel(std::vector<at::Tensor> weights_, std::vector<double> eps_, std::vector<int64_t> windows_, int64_t heads_,
@@ -106,13 +107,15 @@ struct LoopModel {
             std::vector<at::Tensor> packed_weights_, int64_t packed_from_, int64_t gemv_rows_,
             std::vector<at::Tensor> adapter_tensors_,
             std::vector<int64_t> adapter_ints_, std::vector<double> adapter_scales_,
-            std::vector<at::Tensor> quant_weights_, std::vector<at::Tensor> quant_scales_, int64_t quant_group_)
+            std::vector<at::Tensor> quant_weights_, std::vector<at::Tensor> quant_scales_, int64_t quant_group_,
+            int64_t quant_dense_from_ = 0)
       : weights(std::move(weights_)), eps(std::move(eps_)), windows(std::move(windows_)), heads(heads_),
         kv_heads(kv_heads_), head_dim(head_dim_), intermediate(intermediate_), scale(scale_),
         packed_weights(std::move(packed_weights_)), packed_from(packed_from_), gemv_rows(gemv_rows_),
         adapter_tensors(std::move(adapter_tensors_)), adapter_ints(std::move(adapter_ints_)),
         adapter_scales(std::move(adapter_scales_)), quant_weights(std::move(quant_weights_)),
-        quant_scales(std::move(quant_scales_)), quant_group(quant_group_) {
+        quant_scales(std::move(quant_scales_)), quant_group(quant_group_),
+        quant_dense_from(quant_dense_from_) {
     using loop_detail::kWeights;
     const int64_t L = layers();
     TORCH_CHECK(L > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && intermediate > 0,
@@ -252,7 +255,7 @@ torch::Tensor layer_loop(const LoopModel& model, torch::Tensor h, torch::Tensor 
     // the layer's j-th projection (Q/K/V, O, gate/up, down) of x: its quantized weight where the model has them
     auto product = [&](const torch::Tensor& x, int64_t j, int64_t dense, int64_t b) {
       if (quant) return quantized(x, model.quant_weights[4 * l + j], model.quant_scales[4 * l + j], model.quant_group,
-                                  w[b]);
+                                  w[b], model.quant_dense_from);
       return project(x, w[dense], pw ? pw + j : nullptr, w[b], gemv);
     };
     const torch::Tensor& kc = caches[2 * l];

@@ -42,9 +42,15 @@ inline at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Te
 // x times a quantized weight (layers/quantized.py's QuantWeight): int8 with one scale per output row (group 0), or
 // int4 in torch's packed layout with a scale and a zero per `group` inputs; torch's weight-only CPU kernels, as
 // QuantWeight.matmul calls them. x: [T, in], contiguous.
+// From `dense_from` rows (> 0) an int8 weight is widened to x's dtype and multiplied by the dense product, the row
+// scales applied after (quantized.py's QuantWeight.matmul, which owns the threshold).
 inline at::Tensor quantized(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, int64_t group,
-                            const at::Tensor& b) {
-  auto y = group > 0 ? at::_weight_int4pack_mm_for_cpu(x, qw, group, qs) : at::_weight_int8pack_mm(x, qw, qs);
+                            const at::Tensor& b, int64_t dense_from = 0) {
+  at::Tensor y;
+  if (group == 0 && dense_from > 0 && x.size(0) >= dense_from)
+    y = at::linear(x, qw.to(x.scalar_type())).mul_(qs);
+  else
+    y = group > 0 ? at::_weight_int4pack_mm_for_cpu(x, qw, group, qs) : at::_weight_int8pack_mm(x, qw, qs);
   if (b.numel() > 0) y.add_(b);
   return y;
 }
