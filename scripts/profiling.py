@@ -299,7 +299,8 @@ def layer_split(args: argparse.Namespace) -> list[dict[str, Any]]:
     from orthrus_rag import Engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, kernel_overrides={"linears": args.linear_kernel},
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, kernel_overrides={"linears": args.linear_kernel,
+                                                                                  "decode_linears": "off"},
                                     num_blocks=64, max_num_batched_tokens=256)
     model = engine.runner.model
     loop = model.model.layer_loop
@@ -663,11 +664,24 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
+def _ancestors() -> set[int]:
+    """This process and the ones above it (a shell, `timeout`, `uv run`): their command lines may repeat a pattern."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
 def _matching(pattern: str) -> list[int]:
-    """Pids of the processes (not this one) whose command line contains `pattern`."""
-    pids = []
+    """Pids of the processes (not this one nor its ancestors) whose command line contains `pattern`."""
+    pids, skip = [], _ancestors()
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in skip:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:

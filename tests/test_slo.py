@@ -286,3 +286,14 @@ def test_targets_are_cli_keys_and_a_bad_one_is_named_by_its_key():
     assert engine_config_from(cfg).scheduler.slo == SloConfig(itl_s=0.08, generate_p95_s=3.0)
     with pytest.raises(ValueError, match=r"scheduler: slo.itl_s must be a positive number of seconds, got -1"):
         validate(_compose("scheduler.slo.itl_s=-1"))
+
+
+@pytest.mark.parametrize("value, want", [("1", 1), ("0.13", 0.13), ("auto", "auto"), ("null", None)])
+def test_the_embedding_target_composes_from_the_command_line(value, want):
+    """`scheduler.slo.embed_p95_s=...` through OmegaConf's schema: a whole number of seconds, a fraction, auto or
+    none (a number inside a Union is not widened to float there)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(SloConfig), OmegaConf.from_dotlist([f"embed_p95_s={value}"]))
+    slo = SloConfig(**OmegaConf.to_container(cfg))
+    assert slo.embed_p95_s == want

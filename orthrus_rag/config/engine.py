@@ -131,7 +131,8 @@ class SloConfig:
 
     itl_s: float | None = None  # a decode's inter-token time at most (seconds)
     generate_p95_s: float | None = None  # a generation's end-to-end target (seconds)
-    embed_p95_s: float | str | None = None  # an embedding's end-to-end target (seconds), or "auto"
+    # NOTE: int in the union too: OmegaConf does not widen a whole number to float inside a Union (`embed_p95_s=1`)
+    embed_p95_s: float | int | str | None = None  # an embedding's end-to-end target (seconds), or "auto"
     # "auto": the target is this many times an embedding's unloaded latency (a step of that embedding alone)
     auto_multiple: float = 8.0
     risk_fraction: float = 0.5  # share of its target a request may wait before its kind goes first

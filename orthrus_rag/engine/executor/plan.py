@@ -276,6 +276,9 @@ def _decode_linears_cell(runner: Any) -> Cell:
     head = getattr(model, "lm_head", None)
     firsts = {group: next((r for m in module.modules() if (r := gemv_rows(m))), 0) if module is not None else 0
               for group, module in (("layers", model.model), ("LM head", head))}
+    loop = getattr(model.model, "layer_loop", None)
+    if loop is not None and getattr(loop, "_args", None) is not None:  # NOTE: the C++ loop's own count is what runs
+        firsts["layers"] = loop.gemv_rows
     if not any(firsts.values()):
         return Cell("decode_linears", "off")
     body = ", ".join(f"{g} up to {_rows(r)}" for g, r in firsts.items() if r)
