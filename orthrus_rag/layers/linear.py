@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orthrus_rag import machine
+from orthrus_rag.layers.cpu_extension import kernels
 
 logger = logging.getLogger(__name__)
 KERNELS = ("auto", "dense", "onednn")
@@ -124,8 +125,6 @@ def _gemv(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     if (not rows or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0
             or x.numel() > rows * x.shape[-1] or torch.is_grad_enabled()):
         return None
-    from orthrus_rag.layers.cpu_extension import kernels
-
     bias = module.bias if module.bias is not None else _NO_BIAS
     y = kernels().gemv_bf16(x.reshape(-1, x.shape[-1]), module.weight, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -230,8 +229,6 @@ def gemv_available(dtype: torch.dtype, device: str | torch.device) -> str | None
         return f"it runs on the CPU, not on {device}"
     if dtype != torch.bfloat16:
         return f"it multiplies bf16 weights, not {str(dtype).removeprefix('torch.')}"
-    from orthrus_rag.layers.cpu_extension import kernels
-
     ext = kernels()
     if ext is None:
         return "the C++ CPU extension did not build (see the log for why)"
@@ -311,8 +308,6 @@ def choose_gemv_rows(shapes: Iterable[tuple[int, int]], packed_from_rows: int | 
     take otherwise (oneDNN's packed copy from `packed_from_rows` rows, else the dense weight): the largest bucket
     of `rows` up to which it saves 5% at every bucket (geometric mean over the shapes), 0 where it does not at one
     row. Timed over GEMV_TIMED_BYTES of weights per shape, as a step reads them: from memory."""
-    from orthrus_rag.layers.cpu_extension import kernels
-
     ext = kernels()
     logs = {m: 0.0 for m in rows}
     shapes = sorted(set(shapes))

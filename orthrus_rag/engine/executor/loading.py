@@ -5,6 +5,7 @@ NOTE: this module does not import the engine (`Engine.from_config` calls it), so
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,13 @@ def apply_kernels(want: dict[str, str], model: torch.nn.Module, encoder: torch.n
         loop.refresh()  # NOTE: without the split's second packed copy of the weights
 
 
+def _decoder_groups(model: torch.nn.Module) -> list[tuple[str, Callable[[torch.nn.Module], bool]]]:
+    """The decoder's linears in the two groups whose kernels are chosen apart: its layers and its LM head (the
+    head's one wide shape can favour another kernel)."""
+    head = getattr(model, "lm_head", None)
+    return [("layers", lambda m: m is not head), ("LM head", lambda m: m is head)]
+
+
 def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, dtype: torch.dtype,
           device: str) -> None:
     """oneDNN copies where they are faster, chosen for three groups apart, each from its own row count
@@ -131,9 +139,8 @@ def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, 
     576 x 49,152, a fifth of a decode step's products) can favour the other kernel: with AVX2 code on an EPYC core
     oneDNN ran it 1.5-2x MKL's speed from 4 rows up, the layers' shapes 1.05-1.25x, and one row slower."""
     # NOTE: after the adapters: LoRALinear keeps the packed copy of the layer it wraps
-    head = getattr(model, "lm_head", None)
     chosen: dict[str, int | None] = {}
-    for group, keep in (("layers", lambda m: m is not head), ("LM head", lambda m: m is head)):
+    for group, keep in _decoder_groups(model):
         shapes = linear_shapes(model, keep)
         if shapes:
             chosen[group] = from_rows = _packed_from(kernel, shapes, dtype, device)
@@ -156,9 +163,8 @@ def _pack(kernel: str, model: torch.nn.Module, encoder: torch.nn.Module | None, 
 def _gemv(want: str, model: torch.nn.Module) -> None:
     """The few-row bf16 product for the decoder's layers and its LM head, each group up to its own row count
     (`choose_gemv_rows` under `auto`, timed against the kernel `_pack` left it; GEMV_MAX_ROWS asked for by name)."""
-    head = getattr(model, "lm_head", None)
     chosen = {}
-    for group, keep in (("layers", lambda m: m is not head), ("LM head", lambda m: m is head)):
+    for group, keep in _decoder_groups(model):
         shapes = linear_shapes(model, keep)
         if not shapes:
             continue
