@@ -20,6 +20,7 @@ import torch
 POOLING_TYPES = ("mean", "weighted_mean", "cls", "first", "last", "all")
 INPUT_TYPES = ("query", "document")  # what an embedding input is, for models that format the two differently
 MAX_LOGPROBS = 20  # top tokens per position (OpenAI's chat limit)
+MAX_HOLD_KV_S = 600.0  # the longest a finished generation's KV is held for its continuation
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -127,6 +128,10 @@ class SamplingParams:
     # a loaded LoRA adapter that generates (`model.adapters`), applied to this request's rows in every step, prompt
     # chunks and decodes alike; None: the base model
     adapter: str | None = None
+    # seconds the engine keeps this generation's KV after it finishes, for `continue_` (a search round's results
+    # or a chat's next turn appended); 0: not continuable. Bounded: at most MAX_HOLD_KV_S, and released earlier
+    # when running requests need the blocks (engine/continuation.py)
+    hold_kv_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +145,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be a finite number, got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (isinstance(self.hold_kv_s, (int, float)) and 0 <= self.hold_kv_s <= MAX_HOLD_KV_S):
+            raise ValueError(f"hold_kv_s must be between 0 and {MAX_HOLD_KV_S} seconds, got {self.hold_kv_s!r}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

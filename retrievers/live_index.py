@@ -141,6 +141,16 @@ class LiveIndex:
         matrix = self._vectors([await self.embedder.aembed_query(query)])
         return (await asyncio.to_thread(self._search, matrix, k))[0]
 
+    async def abatch_search(self, queries: list[str], k: int = 5) -> list[list[Hit]]:
+        """Many queries embedded together (they share engine steps) and searched in one index call."""
+        k = self._check_k(k)
+        if not queries:
+            return []
+        many = getattr(self.embedder, "aembed_queries", None)
+        vectors = (await many(list(queries)) if many is not None
+                   else [await self.embedder.aembed_query(q) for q in queries])
+        return await asyncio.to_thread(self._search, self._vectors(vectors), k)
+
     @staticmethod
     def _check_k(k: int) -> int:
         if k <= 0:

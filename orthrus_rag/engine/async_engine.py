@@ -216,6 +216,11 @@ class AsyncEngine:
         the loop early (break, cancellation) aborts the request."""
         await self._prepare(params)
         sink = self._submit(RequestKind.GENERATE, request_id, prompt, params, stream=True)
+        async with contextlib.aclosing(self._stream(sink)) as items:  # NOTE: leaving early closes it: an abort
+            async for item in items:
+                yield item
+
+    async def _stream(self, sink: _Sink) -> AsyncIterator[GenerationOutput]:
         done = False
         try:
             while not done:
@@ -228,6 +233,23 @@ class AsyncEngine:
         finally:
             if not done and not self._closed:
                 self._commands.put(("abort", sink.request_id, None))
+
+    async def continue_(self, request_id: str, appended: str | Sequence[int] = (),
+                        params: SamplingParams | None = None) -> GenerationOutput:
+        """Continue the finished generation `request_id` (it set `SamplingParams.hold_kv_s`) with `appended`, its KV
+        kept (Engine.continue_); the output holds the continuation's new tokens and text."""
+        await self._prepare(params)
+        sink = self._submit(RequestKind.GENERATE, request_id, appended, params, stream=False, continued=True)
+        return await self._await(sink)
+
+    async def continue_stream(self, request_id: str, appended: str | Sequence[int] = (),
+                              params: SamplingParams | None = None) -> AsyncIterator[GenerationOutput]:
+        """`continue_` as growing snapshots (as `generate_stream`)."""
+        await self._prepare(params)
+        sink = self._submit(RequestKind.GENERATE, request_id, appended, params, stream=True, continued=True)
+        async with contextlib.aclosing(self._stream(sink)) as items:  # NOTE: leaving early closes it: an abort
+            async for item in items:
+                yield item
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its blocks are freed at once. False if it is unknown or already finished."""
@@ -285,7 +307,8 @@ class AsyncEngine:
             release_openmp_pool()
             self._thread.start()
 
-    def _submit(self, kind: RequestKind, request_id: str | None, input: Any, params: Any, stream: bool) -> _Sink:
+    def _submit(self, kind: RequestKind, request_id: str | None, input: Any, params: Any, stream: bool,
+                continued: bool = False) -> _Sink:
         if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
@@ -302,7 +325,7 @@ class AsyncEngine:
             self._num_bulk_in_flight += 1
         else:
             self._num_in_flight += 1
-        self._commands.put(("add", kind, rid, input, params, stream, sink))
+        self._commands.put(("continue" if continued else "add", kind, rid, input, params, stream, sink))
         return sink
 
     async def _await(self, sink: _Sink) -> Any:
@@ -357,9 +380,12 @@ class AsyncEngine:
             if cmd[2] is not None:
                 self._outbox.append((_Sink("", future=cmd[2]), ok, False))
             return
-        _, kind, rid, input, params, stream, sink = cmd
+        op, kind, rid, input, params, stream, sink = cmd
         try:
-            self._loop_core.add(kind, rid, input, params, _Outbox(self, sink), stream=stream)
+            if op == "continue":
+                self._loop_core.continue_(rid, input, params, _Outbox(self, sink), stream=stream)
+            else:
+                self._loop_core.add(kind, rid, input, params, _Outbox(self, sink), stream=stream)
         except Exception as exc:  # bad input: never reaches a step
             self._outbox.append((sink, exc, True))
 
@@ -376,7 +402,7 @@ class AsyncEngine:
         except Exception:  # NOTE: still signal the event loop below, or every caller would wait forever
             logger.exception("failing the pending requests at shutdown failed")
         for cmd in self._drain(cmds):
-            if cmd[0] == "add":
+            if cmd[0] in ("add", "continue"):
                 self._outbox.append((cmd[-1], err, True))
             elif cmd[0] == "abort" and cmd[2] is not None:
                 self._outbox.append((_Sink("", future=cmd[2]), False, False))

@@ -28,6 +28,7 @@ from orthrus_rag.engine.core.block_manager import BlockManager, PrefixCachingBlo
 from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from orthrus_rag.engine.core.step_cost import StepCostModel
+from orthrus_rag.engine.continuation import Continuations
 from orthrus_rag.engine.executor.calibration import calibrate
 from orthrus_rag.engine.executor.plan import describe
 from orthrus_rag.engine.executor.runner import ModelRunner
@@ -91,6 +92,7 @@ class Engine:
             encoder.config.vocab_size if encoder is not None else 0,
             getattr(encoder, "max_seq_length", encoder.max_position_embeddings) if encoder is not None else 0)
         self._ids = itertools.count()
+        self.continuations = Continuations()  # finished generations `continue_` may extend (engine/continuation.py)
         self.num_steps = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)  # bounded: long-lived servers
         # called with every step's statistics (metrics, run summaries, steps.jsonl); must not raise or block
@@ -134,6 +136,18 @@ class Engine:
                       rng=make_generator(params.seed, self.config.model.device), stream=stream,
                       handoff=handoff, grammar=grammar, adapter_slot=slot)
         return self._add(req)
+
+    def continue_(self, request_id: str, appended: str | Sequence[int] = (), params: SamplingParams | None = None,
+                  stream: bool = False) -> str:
+        """Continue the finished generation `request_id` (submitted with `SamplingParams.hold_kv_s`) after its last
+        sampled token, with `appended` (text, tokenized without special tokens, or token ids; may be empty) and
+        `params` (default: the generation's own). Queued under the same id; its output's tokens and text are the
+        continuation's new ones. Its KV comes from the held blocks, or the prefix cache, or is recomputed."""
+        record = self.continuations.get(request_id)  # NOTE: ValueError names what is missing
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request {request_id!r} is still running; continue it once it has finished")
+        ids = list(record.token_ids) + self.inputs.appended(appended)
+        return self.add_generate(ids, params or record.params, request_id, stream=stream)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -302,6 +316,7 @@ class Engine:
                 return EmbeddingOutput(req.req_id, req.prompt_token_ids, torch.empty(0), "error", metrics,
                                        error=done.errors[req.req_id])
             return EmbeddingOutput(req.req_id, req.prompt_token_ids, done.embeddings[req.req_id], metrics=metrics)
+        self.continuations.remember(req)
         logprobs = list(req.output_logprobs) if req.sampling_params.logprobs is not None else None
         prompt_logprobs = [None, *req.prompt_logprobs] if req.sampling_params.prompt_logprobs is not None else None
         return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
@@ -458,6 +473,13 @@ class EngineLoop:
         else:
             kinds = ", ".join(k.value for k in RequestKind)
             raise ValueError(f"unknown request kind {kind!r}; expected one of {kinds}")
+        self.sinks[rid] = sink
+        return rid
+
+    def continue_(self, request_id: str, appended: Any, params: SamplingParams | None, sink: RequestSink, *,
+                  stream: bool = False) -> str:
+        """Continue a finished generation with appended tokens (Engine.continue_); bad input raises, adds nothing."""
+        rid = self.engine.continue_(request_id, appended, params, stream=stream)
         self.sinks[rid] = sink
         return rid
 

@@ -47,6 +47,15 @@ class InputProcessor:
         self._check_len(len(ids), "prompt")
         return ids
 
+    def appended(self, appended: str | Sequence[int]) -> list[int]:
+        """Tokens a continuation appends (engine/continuation.py): text without special tokens (it goes mid-sequence),
+        or token ids; empty is allowed (generate on from where the output stopped)."""
+        if isinstance(appended, str):
+            return self.tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else []
+        if isinstance(appended, Sequence) and not appended:
+            return []
+        return self._check_ids(appended, self.vocab_size, "appended input")
+
     def embed_input(self, text: str | Sequence[int], params: PoolingParams, on_encoder: bool) -> list[int]:
         tokenizer = self.encoder_tokenizer if on_encoder else self.tokenizer
         vocab = self.encoder_vocab_size if on_encoder else self.vocab_size

@@ -1,12 +1,14 @@
 """Paged KV cache bookkeeping: which physical blocks each request owns (`BlockManager`), and the same with automatic
 prefix caching (`PrefixCachingBlockManager`). Knows nothing of the model.
 
-Automatic prefix caching: KV blocks of generation prompts outlive their requests and are shared by content.
+Automatic prefix caching: KV blocks of generations outlive their requests and are shared by content.
 
-A full block of prompt tokens is named by a hash chain: sha256 of the previous block's name and this block's
-token ids, so a name stands for the whole prefix up to the block's end. Once computed, the block is registered
-under its name; a new prompt that starts with the same tokens takes those blocks (reference counted) and starts
-computing after them. Freed blocks keep their content and name until a new allocation needs them: blocks with
+A full block of tokens (prompt or generated: vLLM's rule) is named by a hash chain: sha256 of the previous block's
+name and this block's token ids, so a name stands for the whole sequence up to the block's end. Once computed, the
+block is registered under its name; a new prompt that starts with the same tokens takes those blocks (reference
+counted) and starts computing after them. So a request whose prompt is an earlier request's prompt and output (a
+chat's next turn, a search round continuing a reasoning chain) computes only the tokens after them, and a request
+re-admitted after preemption finds its own generated blocks again. Freed blocks keep their content and name until a new allocation needs them: blocks with
 no name are reused first, then named ones least recently freed first (vLLM's policy). RAG prompts share long
 prefixes (instructions, few-shot demonstrations), so this skips most of their prompt work.
 
@@ -14,6 +16,12 @@ Only generation requests take part: an embedding's final chunk writes no KV at a
 computes other K and V for the same tokens, so its chain starts from the adapter's slot: its blocks are found only by
 requests under the same adapter, never by the base model's or another adapter's. At least the prompt's last token is
 always computed (its logits are needed).
+
+Held blocks: a finished generation that may be continued (`SamplingParams.hold_kv_s`, engine/continuation.py) keeps
+its named blocks pinned under its id until a deadline, so nothing evicts them meanwhile; its continuation (a request
+under the same id) drops the hold once it has matched the blocks itself. Holds are bounded: past the deadline, or as
+soon as an allocation finds too few free blocks (oldest hold first, a waiting continuation's included: running work
+comes first), they are released, and a late continuation finds what is still cached and recomputes the rest.
 """
 
 from __future__ import annotations
@@ -76,7 +84,13 @@ class BlockManager:
         """Undo `match_prefix` for a request that could not start after all."""
 
     def cache_computed(self, req: Request) -> None:
-        """Record the blocks of `req`'s prompt that are now full and computed."""
+        """Record the blocks of `req`'s tokens that are now full and computed."""
+
+    def hold(self, key: str, req: Request, until: float) -> None:
+        """Pin `req`'s named blocks under `key` until `until` (call before `free(req)`)."""
+
+    def expire_holds(self, now: float) -> None:
+        """Release the holds whose deadline has passed."""
 
     def _take(self) -> int:
         return self.free_blocks.popleft()
@@ -94,35 +108,39 @@ class PrefixCachingBlockManager(BlockManager):
         self.name_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
         self.num_hit_tokens = 0  # prompt tokens served from the cache so far (first admissions only)
+        self.holds: OrderedDict[str, tuple[list[int], float]] = OrderedDict()  # key -> (pinned blocks, deadline)
 
-    def block_names(self, req: Request) -> list[bytes]:
-        """Names of the full blocks of `req`'s prompt (computed once per request)."""
-        if req.block_names is None:
-            names, parent, bs = [], b"adapter:%d" % req.adapter_slot if req.adapter_slot else b"", self.block_size
-            for start in range(0, req.num_prompt_tokens - bs + 1, bs):
-                parent = hashlib.sha256(parent + array("q", req.prompt_token_ids[start:start + bs]).tobytes()).digest()
+    def block_names(self, req: Request, num_blocks: int) -> list[bytes]:
+        """Names of the first `num_blocks` full blocks of `req`'s tokens (prompt, then output), each computed once
+        per request as the sequence grows."""
+        names = req.block_names
+        if len(names) < num_blocks:
+            bs = self.block_size
+            parent = names[-1] if names else (b"adapter:%d" % req.adapter_slot if req.adapter_slot else b"")
+            for i in range(len(names), num_blocks):
+                parent = hashlib.sha256(parent + array("q", req.token_ids_slice(i * bs, (i + 1) * bs)).tobytes()
+                                        ).digest()
                 names.append(parent)
-            req.block_names = names
-        return req.block_names
+        return names
 
     def match_prefix(self, req: Request) -> int:
         if req.kind is not RequestKind.GENERATE or req.num_computed_tokens or req.block_table:
             return 0
         if req.sampling_params is not None and req.sampling_params.prompt_logprobs is not None:
             return 0  # NOTE: its prompt log-probabilities come from computing every prompt row
-        limit = (req.num_prompt_tokens - 1) // self.block_size  # NOTE: the last prompt token is always computed
-        for name in self.block_names(req)[:limit]:
+        # NOTE: the last token is always computed; a re-admitted victim's own output blocks count too
+        limit = (req.num_tokens - 1) // self.block_size
+        for name in self.block_names(req, limit):
             block = self.block_of.get(name)
             if block is None:
                 break
-            if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
-            self.ref_counts[block] += 1
+            self._ref(block)
             req.block_table.append(block)
         req.num_computed_tokens = len(req.block_table) * self.block_size
         req.num_registered_blocks = len(req.block_table)
         if not req.num_preemptions:  # NOTE: a re-admitted victim finding its own blocks again is no new hit
             self.num_hit_tokens += req.num_computed_tokens
+        self._drop_hold(req.req_id)  # NOTE: a continuation's held blocks are now its own
         return req.num_computed_tokens
 
     def unmatch(self, req: Request) -> None:
@@ -135,16 +153,51 @@ class PrefixCachingBlockManager(BlockManager):
     def cache_computed(self, req: Request) -> None:
         if req.kind is not RequestKind.GENERATE:
             return
-        full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
+        full = req.num_computed_tokens // self.block_size
         if full <= req.num_registered_blocks:
             return
-        names = self.block_names(req)
+        names = self.block_names(req, full)
         for i in range(req.num_registered_blocks, full):
             block, name = req.block_table[i], names[i]
             if name not in self.block_of and block not in self.name_of:  # another request may have named it first
                 self.block_of[name] = block
                 self.name_of[block] = name
         req.num_registered_blocks = full
+
+    # ---- holds ------------------------------------------------------------------------------------------------
+    def hold(self, key: str, req: Request, until: float) -> None:
+        self._drop_hold(key)  # NOTE: an id reused for a new request replaces what the old one held
+        blocks = []
+        # NOTE: by name: where another request had named a block of the same content first, that one is found
+        for name in req.block_names[:req.num_registered_blocks]:
+            block = self.block_of.get(name)
+            if block is None:
+                break
+            self._ref(block)
+            blocks.append(block)
+        if blocks:
+            self.holds[key] = (blocks, until)
+
+    def expire_holds(self, now: float) -> None:
+        for key in [k for k, (_, until) in self.holds.items() if until <= now]:
+            self._drop_hold(key)
+
+    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        needed = self.num_blocks_needed(req, num_new_tokens)
+        while needed > len(self.free_blocks) and self.holds:  # NOTE: running work comes before a paused one's KV
+            self._drop_hold(next(iter(self.holds)))
+        return needed <= len(self.free_blocks)
+
+    def _drop_hold(self, key: str) -> None:
+        blocks, _ = self.holds.pop(key, ([], 0.0))
+        for block in reversed(blocks):
+            self._release(block)
+
+    def _ref(self, block: int) -> None:
+        """One more owner of a cached block (out of the free list if it was there)."""
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
 
     def _take(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)  # type: ignore[call-arg]

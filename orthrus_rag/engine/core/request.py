@@ -49,8 +49,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    # prefix caching (engine/core/block_manager.py): names of the prompt's full blocks, and how many are registered
-    block_names: list[bytes] | None = None
+    # prefix caching (engine/core/block_manager.py): names of the sequence's full blocks so far, and how many of them
+    # are registered
+    block_names: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     # runtime state owned by the runner (pooler accumulators, RNG); opaque to the scheduler
     pooler_state: Any = None
@@ -77,6 +78,13 @@ class Request:
     def is_bulk(self) -> bool:
         """Background work (priority > 0, e.g. a corpus ingest): it takes only the budget other work leaves."""
         return is_bulk(self.pooling_params if self.is_embed else self.sampling_params)
+
+    @property
+    def is_continuable(self) -> bool:
+        """A generation that finished by its own rules (not aborted, not failed) and asked for its KV to be held
+        for a continuation (`SamplingParams.hold_kv_s`)."""
+        return (self.status is RequestStatus.FINISHED and self.finish_reason in ("stop", "length")
+                and self.sampling_params is not None and self.sampling_params.hold_kv_s > 0)
 
     @property
     def num_prompt_tokens(self) -> int:

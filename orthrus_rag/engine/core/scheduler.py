@@ -158,6 +158,8 @@ class Scheduler(SchedulerQueues):
 
     def finish(self, req: Request, reason: str, now: float, status: RequestStatus = RequestStatus.FINISHED) -> None:
         req.status, req.finish_reason, req.finished_time = status, reason, now
+        if req.is_continuable:  # NOTE: before its blocks are freed: the cached ones stay pinned for its continuation
+            self.block_manager.hold(req.req_id, req, now + req.sampling_params.hold_kv_s)
         self.remove(req)
 
     def release(self, req: Request, now: float) -> None:
@@ -249,6 +251,7 @@ class Scheduler(SchedulerQueues):
         """This step's work; `now` is the clock latency targets count against (time.monotonic(), as the requests'
         arrival times)."""
         self.now = time.monotonic() if now is None else now
+        self.block_manager.expire_holds(self.now)
         self._pending = {}
         try:
             return self._schedule_step()

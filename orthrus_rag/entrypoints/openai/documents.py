@@ -1,5 +1,6 @@
-"""The server's index: `POST /v1/search`, and live ingestion: `POST /v1/documents`, `GET` / `DELETE
-/v1/documents/{id}`, `DELETE /v1/documents` (ids in the body).
+"""The server's index: `POST /v1/search`, `POST /retrieve` (the retrieval-server shape that reasoning-search
+training frameworks call, Search-R1's: many rollouts' queries in one request), and live ingestion: `POST
+/v1/documents`, `GET` / `DELETE /v1/documents/{id}`, `DELETE /v1/documents` (ids in the body).
 
 The routes exist on every server; without an index (`orthrus-rag serve` started without `retriever.index_dir`)
 they answer 404 saying how to give it one. Added documents embed as bulk work in the engine's own steps
@@ -26,6 +27,7 @@ from orthrus_rag.retrievers.live_index import DocumentError, LiveIndex
 
 logger = logging.getLogger(__name__)
 MAX_SEARCH_K = 1000
+DEFAULT_RETRIEVE_K = 3  # Search-R1's retrieval server's default
 
 
 class _Strict(BaseModel):
@@ -51,6 +53,21 @@ class DeleteDocumentsRequest(_Strict):
 class SearchRequest(_Strict):
     query: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
     k: int = Field(default=5, ge=1, le=MAX_SEARCH_K)
+
+
+class RetrieveRequest(_Strict):
+    """Search-R1's retrieval-server request: `topk` passages for each query, with their scores if asked."""
+
+    queries: list[str] = Field(min_length=1, max_length=MAX_INPUTS)
+    topk: int | None = Field(default=None, ge=1, le=MAX_SEARCH_K)  # None: DEFAULT_RETRIEVE_K
+    return_scores: bool = False
+
+
+def _search_r1_document(passage: Passage) -> dict[str, Any]:
+    """A passage as Search-R1's corpus holds one: `contents` is the quoted title, a newline, then the text (what its
+    clients split back apart); the fields apart as well."""
+    return {"id": passage.id, "contents": f'"{passage.title}"\n{passage.text}', "title": passage.title,
+            "text": passage.text}
 
 
 class Documents:
@@ -95,6 +112,16 @@ class Documents:
         return {"object": "list", "data": [{"object": "search_result", "id": p.id, "title": p.title,
                                             "text": p.text, "score": score} for p, score in hits]}
 
+    async def retrieve(self, body: RetrieveRequest, disconnected: Any) -> dict[str, Any]:
+        empty = [i for i, q in enumerate(body.queries) if not q.strip()]
+        if empty:
+            raise OpenAIError(400, f"queries {empty[:10]} are empty", param="queries", code="empty_query")
+        results = await self._guard(self.require().abatch_search(body.queries, body.topk or DEFAULT_RETRIEVE_K), disconnected)
+        if body.return_scores:
+            return {"result": [[{"document": _search_r1_document(p), "score": score} for p, score in hits]
+                               for hits in results]}
+        return {"result": [[_search_r1_document(p) for p, _ in hits] for hits in results]}
+
     async def _guard(self, coro: Any, disconnected: Any = None) -> Any:
         try:
             return await self.service.guard(_documents_first(coro), disconnected)
@@ -122,6 +149,10 @@ def add_document_routes(app: FastAPI, documents: Documents, v1: list) -> None:
     @app.post("/v1/search", dependencies=v1)
     async def search(body: SearchRequest, request: Request) -> dict[str, Any]:
         return await documents.search(body, request.is_disconnected)
+
+    @app.post("/retrieve", dependencies=v1)
+    async def retrieve(body: RetrieveRequest, request: Request) -> dict[str, Any]:
+        return await documents.retrieve(body, request.is_disconnected)
 
     @app.post("/v1/documents", dependencies=v1)
     async def add(body: AddDocumentsRequest, request: Request) -> dict[str, Any]:
