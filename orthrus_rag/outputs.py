@@ -53,6 +53,7 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
     # one per prompt token when SamplingParams.prompt_logprobs is set; the first is None (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (vLLM's field): the rest were computed
 
 
 @dataclass

@@ -138,6 +138,7 @@ class RunScores:
         self.means.add("steps", float(len(rec.iterations)))
         self.means.add("retrievals", float(sum(1 for it in rec.iterations if it.retrieved)))
         self.means.add("generated_tokens", float(rec.generated_tokens))
+        self.means.add("prefilled_tokens", float(rec.prefilled_tokens))
         for key, value in rec.recall.items():
             self.means.add(key, value)
         self.latency.append(rec.latency_s)
@@ -163,6 +164,7 @@ class RunScores:
         summary["steps_per_question"] = self.means.mean("steps")
         summary["retrievals_per_question"] = self.means.mean("retrievals")
         summary["generated_tokens_per_question"] = self.means.mean("generated_tokens")
+        summary["prefilled_tokens_per_question"] = self.means.mean("prefilled_tokens")
         summary.update({
             "wall_time_s": wall,
             "throughput_qps": ok / wall if wall > 0 else float("nan"),
@@ -199,7 +201,9 @@ def format_table(summary: dict[str, Any]) -> str:
     rows += [(label, _num(summary.get(key))) for label, key in (("steps / question", "steps_per_question"),
                                                                 ("retrievals / question", "retrievals_per_question"),
                                                                 ("generated tokens / question",
-                                                                 "generated_tokens_per_question"))]
+                                                                 "generated_tokens_per_question"),
+                                                                ("prefilled tokens / question",
+                                                                 "prefilled_tokens_per_question"))]
     rows += [(k, _num(v)) for k, v in summary.items() if k.startswith("recall@")]
     rows += [("throughput (q/s)", _num(summary["throughput_qps"])), ("wall time (s)", _num(summary["wall_time_s"]))]
     for stage in ("latency_s", "retrieve_s", "generate_s"):

@@ -43,6 +43,12 @@ def generated_tokens(out: Any) -> int:
     return len(ids) if ids is not None else int(getattr(out, "num_tokens", 0) or 0)
 
 
+def prefilled_tokens(out: Any) -> int:
+    """Prompt tokens a generation computed: its prompt less what the prefix cache served (0 where the output carries
+    no prompt ids: a remote server's)."""
+    return max(0, len(getattr(out, "prompt_token_ids", None) or ()) - int(getattr(out, "num_cached_tokens", 0) or 0))
+
+
 def default_concurrency(max_in_flight: int, max_num_seqs: int | None = None) -> int:
     """Questions in flight by default: never more than the backend admits (`max_in_flight` requests: the
     engine client's limit), so none fails for lack of room; and, with the engine's
@@ -138,14 +144,37 @@ class Method:
         hits = await self.retriever.asearch(query, k or self.k) if self.retriever is not None else []
         return hits, time.perf_counter() - t0
 
-    async def generate(self, prompt: str, params: SamplingParams | None = None) -> tuple[Any, float]:
+    async def generate(self, prompt: str, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> tuple[Any, float]:
         """One generation (default: the method's sampling parameters), and the seconds it took."""
         t0 = time.perf_counter()
-        out = await self.client.generate(prompt, params or self.sampling_params)
+        if request_id is None:  # NOTE: LangChain's chat adapter takes no request id
+            out = await self.client.generate(prompt, params or self.sampling_params)
+        else:
+            out = await self.client.generate(prompt, params or self.sampling_params, request_id=request_id)
+        self._count(out)
+        return out, time.perf_counter() - t0
+
+    @property
+    def can_continue(self) -> bool:
+        """Whether the client continues a finished generation with its KV kept (the in-process engine's
+        `continue_`); else a method re-submits the whole text."""
+        return callable(getattr(self.client, "continue_", None))
+
+    async def continue_(self, request_id: str, appended: str, params: SamplingParams) -> tuple[Any, float]:
+        """Continue the finished generation `request_id` (it set `hold_kv_s`) with `appended` (engine/continuation.py),
+        and the seconds it took."""
+        t0 = time.perf_counter()
+        out = await self.client.continue_(request_id, appended, params)
+        self._count(out)
+        return out, time.perf_counter() - t0
+
+    @staticmethod
+    def _count(out: Any) -> None:
         rec = _QUESTION.get()
         if rec is not None:
             rec.generated_tokens += generated_tokens(out)
-        return out, time.perf_counter() - t0
+            rec.prefilled_tokens += prefilled_tokens(out)
 
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
         """The method: fill `rec.iterations` step by step (each passed to `emit`); return the passages the answer

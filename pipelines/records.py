@@ -23,6 +23,10 @@ class IterationRecord:
     retrieve_s: float  # query embedding + index search
     generate_s: float
     answer_found: bool = True  # the prompt's "So the answer is" was there (False: a fallback rule found the answer)
+    # the step's generations: tokens generated, and prompt tokens computed (not served by the prefix cache); 0
+    # where the serving system does not say (a remote server)
+    generated_tokens: int = 0
+    prefilled_tokens: int = 0
 
 
 @dataclass
@@ -40,6 +44,9 @@ class QARecord:
     recall: dict[str, float | None] = field(default_factory=dict)  # "recall@k" of the last retrieval
     latency_s: float = 0.0
     generated_tokens: int = 0  # over every generation of the question's loop (how much a method generates)
+    # prompt tokens its generations computed, the prefix cache's hits left out (0 where the serving system does not
+    # report hits: a remote server)
+    prefilled_tokens: int = 0
     error: str | None = None
     # the failure was the serving system's, not the question's (its replica died, the question timed out): a
     # resume asks it again (`retry_failed`), where a bad input would only fail the same way

@@ -92,7 +92,7 @@ class RetrieverConf:
 
 @dataclass
 class PipelineConf:
-    name: str = "iter_retgen"  # iter_retgen | standard_rag | no_retrieval | ircot | flare | self_ask
+    name: str = "iter_retgen"  # iter_retgen | standard_rag | no_retrieval | ircot | flare | self_ask | search_r1
     iterations: int = 2  # iter_retgen: retrieve-then-generate rounds
     max_tokens: int = 96  # tokens of a final generation at most
     temperature: float = 0.0  # 0: greedy
@@ -113,6 +113,15 @@ class PipelineConf:
     max_follow_ups: int = 4  # self_ask: follow-up questions at most before the answer is asked for
     # self_ask: the model's turn starts "Yes. Follow up:", so it asks at least one (small models answer at once)
     force_follow_up: bool = True
+    # search_r1: searches at most before the model must answer, and (under constrain_format) at least before it may;
+    # the protocol's tags (search_r1 | r1_searcher | research); every round written in the protocol by a grammar (for
+    # models not trained on it); each round continued with its KV kept where the serving system can (false: the whole
+    # text re-submitted)
+    max_searches: int = 4
+    min_searches: int = 0
+    tags: str = "search_r1"
+    constrain_format: bool = False
+    continuation: bool = True
 
 
 # An idle kept-alive connection's life on the server: longer than the clients' own pool expiry (httpx and the

@@ -320,7 +320,8 @@ class Engine:
         logprobs = list(req.output_logprobs) if req.sampling_params.logprobs is not None else None
         prompt_logprobs = [None, *req.prompt_logprobs] if req.sampling_params.prompt_logprobs is not None else None
         return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
-                                req.finish_reason, metrics, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                req.finish_reason, metrics, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                num_cached_tokens=req.num_cached_tokens)
 
     def _hand_off(self, req: Request) -> HandoffOutput:
         """Stop `req` after its first token: copy its KV out, free its blocks, return what another engine needs."""

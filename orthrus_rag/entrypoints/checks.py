@@ -53,14 +53,17 @@ def validate(cfg: Any) -> None:
     owned("pipeline", lambda: check_settings(iterations=p.iterations, max_concurrency=p.max_concurrency,
                                              question_timeout_s=p.question_timeout_s), keyed=True)
     owned("pipeline", lambda: check_answer_format(p.answer_format))
-    if p.name in ("ircot", "flare", "self_ask"):
+    if p.name in ("ircot", "flare", "self_ask", "search_r1"):
         from orthrus_rag.pipelines.flare import check_flare
         from orthrus_rag.pipelines.ircot import check_ircot
+        from orthrus_rag.pipelines.search_r1 import check_search_r1
         from orthrus_rag.pipelines.self_ask import check_self_ask
 
         rule = {"ircot": lambda: check_ircot(p.max_steps, p.max_passages, p.step_tokens),
                 "flare": lambda: check_flare(p.max_steps, p.threshold, p.step_tokens),
-                "self_ask": lambda: check_self_ask(p.max_follow_ups, p.step_tokens)}[p.name]
+                "self_ask": lambda: check_self_ask(p.max_follow_ups, p.step_tokens),
+                "search_r1": lambda: check_search_r1(p.max_searches, p.step_tokens, p.tags, p.answer_format,
+                                                         p.min_searches, p.constrain_format)}[p.name]
         owned("pipeline", rule, keyed=True)
     from orthrus_rag.engine.core.policies import check_policy
 

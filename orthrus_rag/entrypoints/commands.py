@@ -209,7 +209,10 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method
            "ircot": {"max_steps": p.max_steps, "max_passages": p.max_passages, "step_tokens": p.step_tokens},
            "flare": {"max_steps": p.max_steps, "threshold": p.threshold, "step_tokens": p.step_tokens},
            "self_ask": {"max_follow_ups": p.max_follow_ups, "step_tokens": p.step_tokens,
-                        "force_follow_up": p.force_follow_up}}.get(p.name, {})
+                        "force_follow_up": p.force_follow_up},
+           "search_r1": {"max_searches": p.max_searches, "min_searches": p.min_searches,
+                         "step_tokens": p.step_tokens, "tags": p.tags,
+                         "constrain_format": p.constrain_format, "continuation": p.continuation}}.get(p.name, {})
     return make_method(p.name, client, retriever, k=cfg.retriever.k,
                        chat_template=client.tokenizer if p.chat_template else None,
                        sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
@@ -222,7 +225,8 @@ def _iterations(cfg: Any) -> int:
     """The most generations a question runs: Iter-RetGen's iterations (standard RAG: 1), IRCoT's and FLARE's step
     limit, Self-Ask's follow-ups and its answer."""
     p = cfg.pipeline
-    limits = {"standard_rag": 1, "ircot": p.max_steps, "flare": p.max_steps, "self_ask": p.max_follow_ups + 1}
+    limits = {"standard_rag": 1, "ircot": p.max_steps, "flare": p.max_steps, "self_ask": p.max_follow_ups + 1,
+              "search_r1": p.max_searches + 1}
     return limits.get(p.name, p.iterations)
 
 

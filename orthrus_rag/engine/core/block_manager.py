@@ -140,12 +140,14 @@ class PrefixCachingBlockManager(BlockManager):
         req.num_registered_blocks = len(req.block_table)
         if not req.num_preemptions:  # NOTE: a re-admitted victim finding its own blocks again is no new hit
             self.num_hit_tokens += req.num_computed_tokens
+            req.num_cached_tokens = req.num_computed_tokens
         self._drop_hold(req.req_id)  # NOTE: a continuation's held blocks are now its own
         return req.num_computed_tokens
 
     def unmatch(self, req: Request) -> None:
         if not req.num_preemptions:
             self.num_hit_tokens -= req.num_computed_tokens
+            req.num_cached_tokens = 0
         self.free(req)
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0

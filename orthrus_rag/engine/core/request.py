@@ -49,6 +49,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission (vLLM's field)
     # prefix caching (engine/core/block_manager.py): names of the sequence's full blocks so far, and how many of them
     # are registered
     block_names: list[bytes] = field(default_factory=list)
