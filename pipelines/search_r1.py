@@ -101,13 +101,15 @@ def between(text: str, tags: tuple[str, str]) -> str | None:
     return text[start + len(tags[0]):end].strip() if start != -1 else None
 
 
-def round_grammar(tags: Tags, may_search: bool, may_answer: bool = True) -> StructuredOutputsParams:
-    """One round in the protocol: reasoning, then a search (while one is allowed) or the answer (once enough searches
-    ran). No tag may open inside another, so each part is free text without '<'."""
+def round_grammar(tags: Tags, may_search: bool, may_answer: bool = True,
+                  think_chars: int = 256) -> StructuredOutputsParams:
+    """One round in the protocol: reasoning (at most `think_chars` characters, so the round's budget leaves room for
+    the rest), then a search (while one is allowed) or the answer (once enough searches ran). No tag may open inside
+    another, so each part is free text without '<'."""
     def esc(s: str) -> str:
         return re.escape(s)
 
-    free, said = r"[^<]*", r" ?[^<\s][^<]*"  # a query or an answer says something (not only white space)
+    free, said = r"[^<]{0,%d}" % think_chars, r" ?[^<\s][^<]*"  # a query or an answer says something
     think = esc(tags.think[0]) + free + esc(tags.think[1]) + r"\s?"
     answer = esc(tags.answer[0]) + (r" ?\\boxed\{[^<{}\s][^<{}]*\} ?" if tags.boxed else said) + esc(tags.answer[1])
     search = esc(tags.search[0]) + said + esc(tags.search[1])
@@ -147,11 +149,14 @@ class SearchR1(Method):
         self.must_search_params = self.search_params = base
         self.answer_params = dataclasses.replace(base, hold_kv_s=0.0)
         if constrain_format:
-            self.must_search_params = dataclasses.replace(base, structured_outputs=round_grammar(self.tags, True,
-                                                                                                 False))
-            self.search_params = dataclasses.replace(base, structured_outputs=round_grammar(self.tags, True))
+            # NOTE: reasoning takes at most about half a round's tokens (~4 characters a token)
+            think = 2 * step_tokens
+            self.must_search_params = dataclasses.replace(
+                base, structured_outputs=round_grammar(self.tags, True, False, think))
+            self.search_params = dataclasses.replace(base, structured_outputs=round_grammar(self.tags, True, True,
+                                                                                            think))
             self.answer_params = dataclasses.replace(self.answer_params,
-                                                     structured_outputs=round_grammar(self.tags, False))
+                                                     structured_outputs=round_grammar(self.tags, False, True, think))
 
     def information(self, hits: Hits) -> str:
         """The passages appended after a search, in the protocol's information tags."""
