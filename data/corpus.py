@@ -180,20 +180,13 @@ def read_files(folder: Path, chunk_tokens: int, chunk_overlap: int,
                count_tokens: Callable[[str], int] | None = None) -> Iterator[Passage]:
     """Every .txt / .md file under `folder` (sorted, recursive) cut into passages of at most `chunk_tokens` tokens
     with `chunk_overlap` tokens shared between neighbours; a passage's title is its file's path in the folder."""
-    from langchain_text_splitters import Language, RecursiveCharacterTextSplitter
-
     if not folder.is_dir():
         raise CorpusError(f"corpus=files needs a folder; {folder} is a file")
     if chunk_tokens < 1 or not 0 <= chunk_overlap < chunk_tokens:
         raise CorpusError(f"corpus.chunk_tokens must be >= 1 and 0 <= chunk_overlap < chunk_tokens, got "
                           f"{chunk_tokens} / {chunk_overlap}")
-    length = count_tokens or (lambda text: len(text.split()))
-    splitters = {
-        suffix: RecursiveCharacterTextSplitter(
-            separators=RecursiveCharacterTextSplitter.get_separators_for_language(Language.MARKDOWN)
-            if suffix == ".md" else None,
-            chunk_size=chunk_tokens, chunk_overlap=chunk_overlap, length_function=length)
-        for suffix in FILE_SUFFIXES}
+    splitters = {suffix: text_splitter(suffix == ".md", chunk_tokens, chunk_overlap, count_tokens)
+                 for suffix in FILE_SUFFIXES}
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
     if not files:
         raise CorpusError(f"{folder} holds no {' or '.join(FILE_SUFFIXES)} files")
@@ -203,8 +196,24 @@ def read_files(folder: Path, chunk_tokens: int, chunk_overlap: int,
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise CorpusError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-        chunks = [c.strip() for c in splitters[path.suffix.lower()].split_text(text) if c.strip()]
+        chunks = split_text(splitters[path.suffix.lower()], text)
         if not chunks:
             logger.warning("%s holds no text; skipped", path)
         for k, chunk in enumerate(chunks):
             yield Passage(f"{rel}#{k}", rel, chunk)
+
+
+def text_splitter(markdown: bool, chunk_tokens: int, chunk_overlap: int,
+                  count_tokens: Callable[[str], int] | None = None) -> Any:
+    """A splitter into passages of at most `chunk_tokens` tokens (`count_tokens`; default: words), neighbours sharing
+    `chunk_overlap`, cut at paragraph, then line, sentence and word boundaries (Markdown's headings first)."""
+    from langchain_text_splitters import Language, RecursiveCharacterTextSplitter
+
+    separators = RecursiveCharacterTextSplitter.get_separators_for_language(Language.MARKDOWN) if markdown else None
+    return RecursiveCharacterTextSplitter(separators=separators, chunk_size=chunk_tokens, chunk_overlap=chunk_overlap,
+                                          length_function=count_tokens or (lambda text: len(text.split())))
+
+
+def split_text(splitter: Any, text: str) -> list[str]:
+    """The non-empty passages of `text`."""
+    return [c.strip() for c in splitter.split_text(text) if c.strip()]

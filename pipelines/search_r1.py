@@ -101,6 +101,12 @@ def between(text: str, tags: tuple[str, str]) -> str | None:
     return text[start + len(tags[0]):end].strip() if start != -1 else None
 
 
+def left_open(text: str, tags: tuple[str, str]) -> str | None:
+    """The text after a last opening tag that was never closed (a round cut by its token budget), else None."""
+    start = text.rfind(tags[0])
+    return text[start + len(tags[0]):].strip() if start != -1 and text.find(tags[1], start) == -1 else None
+
+
 def round_grammar(tags: Tags, may_search: bool, may_answer: bool = True,
                   think_chars: int = 256) -> StructuredOutputsParams:
     """One round in the protocol: reasoning (at most `think_chars` characters, so the round's budget leaves room for
@@ -170,7 +176,18 @@ class SearchR1(Method):
         if inside is not None:
             boxed = _BOXED.search(inside) if self.tags.boxed else None
             return reduce_yes_no((boxed.group(1) if boxed else inside).strip(), question), True
+        cut = left_open(text, self.tags.answer)  # NOTE: the budget ended inside the answer: what it wrote of it
+        if cut:
+            return reduce_yes_no(cut.removeprefix("\\boxed{").rstrip("}").strip(), question), False
         return parse_answer(text, question).answer, False
+
+    def search_of(self, text: str) -> tuple[str | None, str]:
+        """The query a round ends with, and what closes its tag: "" when the model closed it (the stop string), the
+        closing tag when the round's budget ended inside the query (it is searched as written)."""
+        if text.rstrip().endswith(self.tags.search[1]):
+            return between(text, self.tags.search), ""
+        cut = left_open(text, self.tags.search)
+        return (cut, self.tags.search[1]) if cut else (None, "")
 
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
         prompt = self.render(self.tags.instruction.format(question=ex.question))
@@ -190,15 +207,15 @@ class SearchR1(Method):
                 out, generate_s = await self.generate(prompt + written, params)
             written += out.text
             tokens, prefilled = len(getattr(out, "token_ids", None) or ()), prefilled_tokens(out)
-            query = between(out.text, self.tags.search) if out.text.rstrip().endswith(self.tags.search[1]) else None
+            query, closing = self.search_of(out.text)
             if not query or t > self.max_searches:  # NOTE: an empty query has nothing to search for
-                answer, found = self.parse(out.text if between(out.text, self.tags.answer) else written, ex.question)
+                answer, found = self.parse(out.text if self.tags.answer[0] in out.text else written, ex.question)
                 await emit(IterationRecord(t, "", [], before, out.text, answer, 0.0, generate_s, found, tokens,
                                            prefilled))
                 return used
             hits, retrieve_s = await self.retrieve(query)
             used = add_new(used, hits)
-            added = self.information(hits)
+            added = closing + self.information(hits)
             written += added
             await emit(IterationRecord(t, query, passage_refs(hits), before, out.text, "", retrieve_s, generate_s,
                                        False, tokens, prefilled))

@@ -105,6 +105,18 @@ def test_the_search_limit_makes_the_last_round_answer() -> None:
     assert rec.prediction == "Ilse Maralt" and len(rec.iterations) == 1 and rec.iterations[0].query == ""
 
 
+def test_a_round_cut_inside_its_search_searches_what_it_wrote_and_closes_the_tag() -> None:
+    engine, retriever = ScriptedEngine(["<think>a</think>\n<search> director of Lake", "<think>b</think>\n<answer> Ilse Mar"]), \
+        TitledRetriever()
+    rec = asyncio.run(SearchR1(engine, retriever, k=1).answer(_example()))
+    assert retriever.queries == ["director of Lake"] and engine.calls[1][2].startswith("</search>\n\n<information>")
+    assert rec.prediction == "Ilse Mar" and not rec.iterations[-1].answer_found  # cut inside its answer
+    engine = ResubmittingEngine(["<think>a</think>\n<search> director of Lake", ROUNDS[2]])
+    asyncio.run(SearchR1(engine, TitledRetriever(), k=1).answer(_example()))
+    assert engine.calls[1][1].endswith("<search> director of Lake</search>\n\n<information>\n"
+                                       "Doc 1 (Title: director-0) text about director 0\n</information>\n\n")
+
+
 def test_the_protocol_variants_parse_their_own_tags() -> None:
     r1 = SearchR1(ScriptedEngine([]), TitledRetriever(), tags="r1_searcher")
     assert r1.tags.search == ("<|begin_of_query|>", "<|end_of_query|>")

@@ -9,6 +9,8 @@
                                        with a bootstrap interval, questions gained and lost
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
     orthrus-rag serve [overrides...]   the OpenAI-compatible server (e.g. serve.port=8000 serve.api_key=...)
+    orthrus-rag ask ["QUESTION"] [overrides...]   answer a question over your index (retriever.index_dir=...),
+                                       streamed, with its searches' passages cited; without one, a prompt
     orthrus-rag demo                   generate and embed together on the built-in models, show the mixed steps
     orthrus-rag --version
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -75,9 +78,9 @@ def _quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _hydra(command: str, argv: list[str]) -> int:
+def _hydra(command: str, argv: list[str], question: str | None = None) -> int:
     """Compose the config with Hydra (overrides, --help, --cfg job, multirun) and call the plain function;
-    returns the worst exit code of its jobs."""
+    returns the worst exit code of its jobs. `question`: `ask`'s."""
     import hydra
     from omegaconf import DictConfig
 
@@ -90,13 +93,14 @@ def _hydra(command: str, argv: list[str]) -> int:
     @hydra.main(version_base=None, config_path="pkg://orthrus_rag.conf", config_name="config")
     def entry(cfg: DictConfig) -> None:
         started.append(True)
-        codes.append(_job(command, cfg))
+        codes.append(_job(command, cfg, question))
 
     problem = _argv_problem(argv)
     if problem is not None:  # NOTE: before Hydra creates a run folder
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    overrides = {"serve": _serve_overrides, "plan": _plan_overrides}.get(command, _resume_overrides)(argv)
+    overrides = {"serve": _serve_overrides, "plan": _plan_overrides, "ask": _plan_overrides}.get(
+        command, _resume_overrides)(argv)
     sys.argv, saved = [f"orthrus-rag {command}", *overrides], sys.argv
     try:
         entry()
@@ -107,6 +111,18 @@ def _hydra(command: str, argv: list[str]) -> int:
     finally:
         sys.argv = saved
     return max(codes, default=0)
+
+
+_OVERRIDE = re.compile(r"^[+~]{0,2}[\w.\-/@]+=|^-")  # a Hydra override (key=value) or a flag (--help, -m)
+_FLAGS_WITH_VALUES = ("--cfg", "-c", "--package", "-p", "--info", "-i")  # Hydra's: `--cfg job` names no question
+
+
+def _question(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`ask`'s question (its first argument that is not an override, a flag or a flag's value) and the rest."""
+    for i, arg in enumerate(argv):
+        if not _OVERRIDE.match(arg) and not (i and argv[i - 1] in _FLAGS_WITH_VALUES):
+            return arg, argv[:i] + argv[i + 1:]
+    return None, argv
 
 
 def _value(argv: list[str], key: str) -> str | None:
@@ -150,14 +166,14 @@ def _resume_overrides(argv: list[str]) -> list[str]:
     return argv
 
 
-def _job(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
+def _job(command: str, cfg, question: str | None = None) -> int:  # noqa: ANN001 (a DictConfig)
     """One Hydra job: errors a user can act on become one line and an exit code (a sweep's other jobs go on)."""
     from orthrus_rag.entrypoints.cli_errors import describe_error
 
     _quiet_third_party()  # NOTE: again here: Hydra has just configured this job's logging
     try:
         cfg = _job_config(command, cfg)
-        return _task(command, cfg)
+        return _task(command, cfg, question)
     except (Exception, KeyboardInterrupt) as exc:
         described = describe_error(exc, cfg.resume or cfg.run_dir)
         if described is None:  # a bug: keep the traceback
@@ -225,16 +241,20 @@ def _job_config(command: str, cfg):  # noqa: ANN001, ANN202 (DictConfigs)
     return cfg  # NOTE: app.run checks it against the saved config and names any difference
 
 
-def _task(command: str, cfg) -> int:  # noqa: ANN001 (a DictConfig)
+def _task(command: str, cfg, question: str | None = None) -> int:  # noqa: ANN001 (a DictConfig)
     from orthrus_rag.entrypoints import commands as app
 
+    if command in ("plan", "ask"):
+        for handler in logging.getLogger().handlers:  # NOTE: the log on stderr, the plan or answer alone on stdout
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
+    if command == "ask":
+        from orthrus_rag.entrypoints.ask import ask
+
+        return ask(cfg, question)
     if command == "plan":
         from orthrus_rag.config.build import engine_config_from
         from orthrus_rag.engine.engine import Engine
-
-        for handler in logging.getLogger().handlers:  # NOTE: the log on stderr, the plan alone on stdout
-            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-                handler.setStream(sys.stderr)
 
         print(Engine.from_config(engine_config_from(cfg)).plan)
         return EXIT_OK
@@ -307,10 +327,11 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("run", "index", "serve", "plan"):
+    if argv and argv[0] in ("run", "index", "serve", "plan", "ask"):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         _quiet_third_party()
-        return _hydra(argv[0], argv[1:])
+        question, rest = _question(argv[1:]) if argv[0] == "ask" else (None, argv[1:])
+        return _hydra(argv[0], rest, question)
     parser = argparse.ArgumentParser(prog="orthrus-rag", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"orthrus-rag {_version()}")
@@ -326,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0: a table is reproducible)")
     p.add_argument("--level", type=float, default=0.95, help="the intervals' coverage (default 0.95)")
     sub.add_parser("serve", help="the OpenAI-compatible server (Hydra overrides follow)")
+    sub.add_parser("ask", help="answer a question over your index, streamed and cited (the question, then Hydra "
+                               "overrides; without a question, a prompt)")
     sub.add_parser("plan", help="load the engine a config builds and print its execution plan: what runs each part "
                                 "of a step here (Hydra overrides follow)")
     p = sub.add_parser("demo", help="generate and embed together on the built-in models")

@@ -12,13 +12,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orthrus_rag.engine.clients.protocol import EngineClient
-from orthrus_rag.entrypoints.openai import generation
+from orthrus_rag.entrypoints.openai import generation, responses
 from orthrus_rag.entrypoints.openai.documents import Documents, add_document_routes
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
 from orthrus_rag.entrypoints.openai.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard,
                                          ModelList)
+from orthrus_rag.entrypoints.openai.responses import Responses, ResponsesRequest
 from orthrus_rag.entrypoints.openai.service import OpenAIService
+from orthrus_rag.entrypoints.openai.vector_stores import VectorStores, add_vector_store_routes
 from orthrus_rag.retrievers.live_index import LiveIndex
 
 logger = logging.getLogger(__name__)
@@ -50,12 +52,16 @@ def build_app(client: EngineClient, served_model_name: str | None = None, api_ke
     app.add_middleware(_BodyLimit)
     app.add_middleware(_CountRequests, metrics=metrics)  # NOTE: outermost, so 413s and 400s are counted too
     v1 = [Depends(_authorizer(api_key))]
-    _add_routes(app, service, metrics, v1)
-    add_document_routes(app, Documents(index, service), v1)
+    documents = Documents(index, service)
+    stores = VectorStores(documents)
+    app.state.vector_stores = stores
+    _add_routes(app, service, metrics, v1, Responses(service, stores))
+    add_document_routes(app, documents, v1)
+    add_vector_store_routes(app, stores, v1)
     return app
 
 
-def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1: list) -> None:
+def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1: list, answers: Responses) -> None:
     # NOTE: a client over replicas in other processes (entrypoints/ray/) adds theirs: `health()` reports replicas up
     # and expected, `metrics_text(own)` merges every replica's figures into the server's own
     @app.get("/health")
@@ -98,6 +104,12 @@ def _add_routes(app: FastAPI, service: OpenAIService, metrics: ServerMetrics, v1
             return _sse(generation.sse_events(await generation.chat_stream(service, body)), ignoring(body))
         return JSONResponse(await generation.chat(service, body, request.is_disconnected), headers=ignoring(body))
 
+    @app.post("/v1/responses", dependencies=v1)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        if body.stream:
+            return _sse(responses.sse_events(await answers.stream(body)), ignoring(body))
+        return JSONResponse(await answers.create(body, request.is_disconnected), headers=ignoring(body))
+
 
 class _IgnoredFields:
     """Fields of a request body that no schema knows are let through (newer clients keep working) but never in
@@ -138,7 +150,8 @@ def _sse(events: Any, headers: dict[str, str] | None = None) -> StreamingRespons
                                                                              **(headers or {})})
 
 
-ENDPOINT_KINDS = {"/v1/embeddings": "embeddings", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ENDPOINT_KINDS = {"/v1/embeddings": "embeddings", "/v1/completions": "completions", "/v1/chat/completions": "chat",
+                  "/v1/responses": "responses"}
 
 
 class _CountRequests:

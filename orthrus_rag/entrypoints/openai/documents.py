@@ -85,14 +85,23 @@ class Documents:
         return self.index
 
     async def add(self, body: AddDocumentsRequest, disconnected: Any) -> dict[str, Any]:
-        index = self.require()
         passages = [Passage(d.id, d.title, d.text) for d in body.documents]
+        ids = await self.add_passages(passages, body.truncate, disconnected)
+        return {"object": "list", "data": [{"object": "document", "id": i} for i in ids],
+                "num_documents": len(self.require())}
+
+    async def add_passages(self, passages: list[Passage], truncate: bool = True, disconnected: Any = None,
+                           ) -> list[str]:
+        """Embed and add `passages` (bulk work), one ingest at a time; their ids, searchable when this returns."""
+        index = self.require()
         if self._ingest is None:
             self._ingest = asyncio.Lock()
         async with self._ingest:
-            ids = await self._guard(index.aadd(passages, truncate=body.truncate), disconnected)
-        return {"object": "list", "data": [{"object": "document", "id": i} for i in ids],
-                "num_documents": len(index)}
+            return await self._guard(index.aadd(passages, truncate=truncate), disconnected)
+
+    async def search_hits(self, query: str, k: int, disconnected: Any = None) -> list[tuple[Passage, float]]:
+        """The index's best `k` passages for `query`."""
+        return await self._guard(self.require().asearch(query, k), disconnected)
 
     async def delete(self, ids: list[str]) -> dict[str, Any]:
         index = self.require()
@@ -108,7 +117,7 @@ class Documents:
         return {"object": "document", "id": passage.id, "title": passage.title, "text": passage.text}
 
     async def search(self, body: SearchRequest, disconnected: Any) -> dict[str, Any]:
-        hits = await self._guard(self.require().asearch(body.query, body.k), disconnected)
+        hits = await self.search_hits(body.query, body.k, disconnected)
         return {"object": "list", "data": [{"object": "search_result", "id": p.id, "title": p.title,
                                             "text": p.text, "score": score} for p, score in hits]}
 

@@ -200,9 +200,10 @@ def report(cfg: DictConfig, results: dict[str, dict], out: Path) -> None:
     logger.info("\n%s", table)
 
 
-SYSTEM_COLORS = {"orthrus": "tab:blue", "dedicated": "tab:gray", "vllm": "tab:orange"}
-SYSTEM_LABELS = {"orthrus": "orthrus (one engine, 2 cores)", "dedicated": "dedicated (2 workers, 1 core each)",
-                 "vllm": "vLLM pair (1 core each)"}
+SYSTEM_COLORS = {"orthrus": "tab:blue", "orthrus_resubmit": "tab:cyan", "dedicated": "tab:gray",
+                 "vllm": "tab:orange"}
+SYSTEM_LABELS = {"orthrus": "orthrus (one engine, 2 cores)", "orthrus_resubmit": "orthrus, each round re-submitted",
+                 "dedicated": "dedicated (2 workers, 1 core each)", "vllm": "vLLM pair (1 core each)"}
 
 
 def plot_results(results: dict, out_dir: Path) -> list[Path]:
