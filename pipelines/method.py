@@ -158,8 +158,9 @@ class Method:
     @property
     def can_continue(self) -> bool:
         """Whether the client continues a finished generation with its KV kept (the in-process engine's
-        `continue_`); else a method re-submits the whole text."""
-        return callable(getattr(self.client, "continue_", None))
+        `continue_`, a remote server's through `RemoteClient` given the tokenizer); else a method re-submits the
+        whole text."""
+        return callable(getattr(self.client, "continue_", None)) and getattr(self.client, "can_continue", True)
 
     async def continue_(self, request_id: str, appended: str, params: SamplingParams) -> tuple[Any, float]:
         """Continue the finished generation `request_id` (it set `hold_kv_s`) with `appended` (engine/continuation.py),

@@ -266,3 +266,35 @@ def test_a_round_stopped_at_a_stop_string_continues_with_appended_text(engine) -
     assert engine.block_manager.num_hit_tokens - hits == (len(first.prompt_token_ids) + len(first.token_ids) - 1) \
         // 16 * 16
     engine.block_manager.expire_holds(float("inf"))  # the continuation held nothing (its params did not ask)
+
+
+@pytest.mark.slow
+def test_a_remote_client_continues_over_http(served, smol_tokenizer) -> None:
+    """`RemoteClient.continue_`: the server returns the token ids of a generation that holds its KV; the
+    continuation sends them with the appended tokens, and the server's held blocks serve its prefix."""
+    from orthrus_rag.engine.clients.remote import RemoteClient
+
+    remote = RemoteClient(served.url, tokenizer=smol_tokenizer)
+    appended = "</search>\n<information>Paris is the capital of France.</information>\n"
+    hold = SamplingParams(max_tokens=10, temperature=0.0, stop=["</search>"], hold_kv_s=5.0)
+
+    async def main() -> tuple:
+        try:
+            first = await remote.generate("Question: what is the capital of France? Search: <search>", hold,
+                                          request_id="trip")
+            second = await remote.continue_("trip", appended, SamplingParams(max_tokens=6, temperature=0.0))
+            whole = first.prompt_token_ids + first.token_ids + smol_tokenizer(appended, add_special_tokens=False)[
+                "input_ids"]
+            fresh = await remote.generate(whole, SamplingParams(max_tokens=6, temperature=0.0))
+            with pytest.raises(ValueError, match="no finished generation 'other'"):
+                await remote.continue_("other", [1])
+            return first, second, fresh, whole
+        finally:
+            await remote.aclose()
+
+    first, second, fresh, whole = asyncio.run(main())
+    assert first.token_ids and first.request_id == "trip" and second.request_id == "trip"
+    assert second.prompt_token_ids == [] or second.prompt_token_ids == whole  # ids come back only when held
+    assert second.text == fresh.text
+    assert second.num_cached_tokens >= (len(first.prompt_token_ids) + len(first.token_ids) - 1) // 16 * 16 > 0
+    assert not RemoteClient(served.url).can_continue  # text is appended as ids: it needs the tokenizer

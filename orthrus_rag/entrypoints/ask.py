@@ -34,6 +34,8 @@ class StreamingClient:
             self.continue_ = self._continue
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("continue_", "can_continue"):  # NOTE: only a streamed continuation (set in __init__) is offered
+            raise AttributeError(name)
         return getattr(self.client, name)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

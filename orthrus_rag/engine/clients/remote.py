@@ -2,8 +2,9 @@
 client), so a pipeline, an `EngineEmbedder` or the benchmark's Iter-RetGen run against a server the same way they
 run in process.
 
-The OpenAI API carries less than an engine request: generations come back as text (no token ids), and an
-embedding takes the server's pooling for the model it names. So `PoolingParams` here choose the model (the
+The OpenAI API carries less than an engine request: generations come back as text (with token ids only for a
+generation that holds its KV for a continuation), and an embedding takes the server's pooling for the model it
+names. So `PoolingParams` here choose the model (the
 adapter's name, else the server's default embedding model) and may add an `instruction` (prefixed here, as the
 engine would); any other pooling setting is refused rather than silently ignored.
 """
@@ -14,6 +15,7 @@ import asyncio
 import base64
 import itertools
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import fields
 from typing import Any
@@ -30,7 +32,8 @@ _REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority", "input_type
 
 
 _EXTRA_DEFAULTS: dict[str, Any] = {"top_k": 0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
-                                   "include_stop_str_in_output": False, "priority": 0}
+                                   "include_stop_str_in_output": False, "priority": 0, "hold_kv_s": 0.0}
+MAX_HELD = 4096  # generations `continue_` can still name (their token ids; oldest forgotten first)
 
 
 class RemoteClient:
@@ -53,6 +56,8 @@ class RemoteClient:
         self._space: EmbeddingSpace | None = None
         self._counted = InFlight()
         self._ids = itertools.count()
+        # request id -> (prompt + output token ids, params) of generations that held their KV on the server
+        self._held: OrderedDict[str, tuple[list[int], SamplingParams]] = OrderedDict()
 
     # ---- what the server serves ---------------------------------------------------------------------------------
     @property
@@ -100,6 +105,8 @@ class RemoteClient:
                                  if getattr(p, name) != default}
         if p.structured_outputs is not None:
             extra["structured_outputs"] = p.structured_outputs.as_request()
+        if p.hold_kv_s:  # NOTE: a continuation re-sends the token ids, which the server's held blocks are named by
+            extra["return_token_ids"] = True
         if extra:
             args["extra_body"] = extra
         return args
@@ -109,7 +116,38 @@ class RemoteClient:
         with self._counted(1):
             out = await self.async_client().completions.create(**self._completion_args(prompt, params))
         choice = out.choices[0]
-        return GenerationOutput(request_id or out.id, [], [], choice.text, choice.finish_reason)
+        details = getattr(out.usage, "prompt_tokens_details", None) if out.usage is not None else None
+        result = GenerationOutput(request_id or out.id, list(getattr(choice, "prompt_token_ids", None) or []),
+                                  list(getattr(choice, "token_ids", None) or []), choice.text, choice.finish_reason,
+                                  num_cached_tokens=int(getattr(details, "cached_tokens", 0) or 0))
+        if params is not None and params.hold_kv_s and result.prompt_token_ids:
+            self._held[result.request_id] = (result.prompt_token_ids + result.token_ids, params)
+            self._held.move_to_end(result.request_id)
+            while len(self._held) > MAX_HELD:
+                self._held.popitem(last=False)
+        return result
+
+    @property
+    def can_continue(self) -> bool:
+        """Text is appended as token ids, so continuing needs the model's tokenizer (`tokenizer=`)."""
+        return self.tokenizer is not None
+
+    async def continue_(self, request_id: str, appended: str | Sequence[int] = (),
+                        params: SamplingParams | None = None) -> GenerationOutput:
+        """Continue a generation of this client that set `hold_kv_s` (Engine.continue_'s semantics): its prompt and
+        output token ids and `appended` are sent as one prompt, whose prefix the server's held blocks serve."""
+        held = self._held.get(request_id)
+        if held is None:
+            raise ValueError(f"no finished generation {request_id!r} to continue: it is unknown to this client, did "
+                             f"not set SamplingParams.hold_kv_s, or is older than the last {MAX_HELD}")
+        if isinstance(appended, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.name} appends text as token ids: give RemoteClient a tokenizer= to continue "
+                                 "with text")
+            extra = self.tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else []
+        else:
+            extra = list(appended)
+        return await self.generate(held[0] + extra, params or held[1], request_id)
 
     async def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                               request_id: str | None = None) -> AsyncIterator[GenerationOutput]:

@@ -115,9 +115,13 @@ def _finish_reason(out: GenerationOutput) -> str | None:
     return {"abort": "stop"}.get(out.finish_reason or "", out.finish_reason) if out.finished else None
 
 
-def _usage(outs: list[GenerationOutput], prompt_tokens: int) -> dict[str, int]:
+def _usage(outs: list[GenerationOutput], prompt_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`; default:
+    the most any choice of the one prompt found)."""
     completion = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = max((o.num_cached_tokens for o in outs), default=0) if cached is None else cached
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # ---- chat ------------------------------------------------------------------------------------------------
@@ -211,19 +215,22 @@ async def completions(service: OpenAIService, req: CompletionRequest,
         for t in tasks:
             t.cancel()
         raise
-    choices, outs_all, prompt_tokens = [], [], 0
+    choices, outs_all, prompt_tokens, cached = [], [], 0, 0
     for p_index, outs in enumerate(per_prompt):
         prompt_tokens += len(outs[0].prompt_token_ids)
+        cached += max(o.num_cached_tokens for o in outs)
         for i, out in enumerate(outs):
             logprobs = completion_logprobs(out.logprobs, service.tokenizer) if req.logprobs is not None else None
             choice = {"index": p_index * req.n + i, "text": out.text, "logprobs": logprobs,
                       "finish_reason": _finish_reason(out)}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs or [], service.tokenizer)
+            if req.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
             choices.append(choice)
         outs_all.extend(outs)
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": req.model, "choices": choices, "usage": _usage(outs_all, prompt_tokens)}
+            "model": req.model, "choices": choices, "usage": _usage(outs_all, prompt_tokens, cached)}
 
 
 async def completions_stream(service: OpenAIService, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:

@@ -70,6 +70,11 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), lt=2**31)
+    # vLLM's: each choice also carries its prompt's and its output's token ids (what a caller continues from)
+    return_token_ids: bool = False
+    # ours: seconds the finished generation's KV stays held, so a request continuing its token ids computes only
+    # what it appends (SamplingParams.hold_kv_s; engine/continuation.py)
+    hold_kv_s: float = Field(0.0, ge=0.0, le=600.0)
     # vLLM's extra fields it cannot honour: accepted at their neutral values, refused by name otherwise
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -107,7 +112,7 @@ class _Sampling(_Strict):
         return {"top_k": 0 if self.top_k is None else self.top_k, "min_tokens": self.min_tokens,
                 "ignore_eos": self.ignore_eos, "stop_token_ids": list(self.stop_token_ids or ()),
                 "include_stop_str_in_output": self.include_stop_str_in_output, "priority": self.priority,
-                "prompt_logprobs": self.prompt_logprobs}
+                "prompt_logprobs": self.prompt_logprobs, "hold_kv_s": self.hold_kv_s}
 
 
 class CompletionRequest(_Sampling):
