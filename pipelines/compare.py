@@ -79,8 +79,10 @@ def compare_runs(base: str | Path, other: str | Path, resamples: int = 10_000, s
     if differ:  # NOTE: ids like "dev_4" repeat across datasets: a pairing by id alone could pair other questions
         raise ValueError(f"{base} and {other} ask different questions under the same id ({len(differ)} of "
                          f"{len(ids)}, e.g. {differ[0]!r}): not runs of the same dataset")
+    # NOTE: recall@k by k, then recall@used (the passages a gathering method read)
     recalls = sorted({k for i in ids for k in (*a[i].recall, *b[i].recall) if k.startswith("recall@")},
-                     key=lambda k: int(k.split("@")[1]))
+                     key=lambda k: (not k.split("@")[1].isdigit(), int(k.split("@")[1]) if k.split("@")[1].isdigit()
+                                    else 0, k))
     rng = np.random.default_rng(seed)
     metrics = []
     for name in (*METRICS, *recalls):

@@ -192,6 +192,15 @@ class SearchR1(Method):
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
         prompt = self.render(self.tags.instruction.format(question=ex.question))
         rid = f"search-r1-{uuid.uuid4().hex[:16]}"
+        try:
+            return await self._rounds(prompt, rid, ex, emit)
+        finally:
+            release = getattr(self.client, "release", None) if self.continuation else None
+            if release is not None:  # NOTE: the question is done: its last round's KV need not wait for a deadline
+                await release(rid)
+
+    async def _rounds(self, prompt: str, rid: str, ex: QAExample,
+                      emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
         used: Hits = []
         written = ""  # the model's turn so far: its rounds and the appended passages
         added = prompt  # what this round added before the model wrote (the prompt, then each round's passages)

@@ -86,10 +86,12 @@ def test_ask_answers_one_question_streamed_and_cited(index_dir: Path, capsys: py
 @pytest.mark.slow
 def test_ask_without_a_question_reads_them_until_exit(index_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture) -> None:
+    too_long = "why " * 5000  # more than the embedder and the KV cache take: that question fails, the prompt goes on
     monkeypatch.setattr("sys.stdin", io.StringIO("Where was the first rector of the University of Veloria born?\n"
-                                                 "\nIn which city was the author of The Glass Orchard born?\nexit\n"
-                                                 "never asked\n"))
+                                                 f"\n{too_long}\nIn which city was the author of The Glass Orchard "
+                                                 "born?\nexit\nnever asked\n"))
     assert main(["ask", f"retriever.index_dir={index_dir}", "pipeline=standard_rag", "pipeline.max_tokens=12",
-                 "retriever.k=2", *SMALL]) == 0
+                 "retriever.k=2", *SMALL]) == 1  # one question failed
     out = capsys.readouterr().out
-    assert out.count("question> ") == 4 and out.count("\nanswer: ") == 2 and out.count("[search]") == 2
+    assert out.count("question> ") == 5 and out.count("\nanswer: ") == 2 and out.count("[search]") == 2
+    assert out.count("failed: ValueError") == 1

@@ -11,7 +11,7 @@ import torch
 
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import PoolingParams, SamplingParams, StructuredOutputsParams
 from scripts.bench.driver import closed_loop, open_loop, summarize
 from scripts.bench.report import markdown_table, plot_latency_cdf, plot_step_mix, plot_throughput, write_json
 from scripts.bench.workloads import RequestSpec, Workload, fcfs_blocking, mixed_stream, poisson, three_phase
@@ -165,7 +165,8 @@ def test_peer_requests_carry_instruction_truncation_and_vectors_back():
 
         def poll(self, timeout_s):  # noqa: ANN001
             return [{"request_id": "e0", "kind": "embed", "n_tokens": 3, "embedding": [0.6, 0.8]},
-                    {"request_id": "g0", "kind": "generate", "n_tokens": 2, "text": "Paris"},
+                    {"request_id": "g0", "kind": "generate", "n_tokens": 2, "text": "Paris", "prompt_tokens": 40,
+                     "cached_tokens": 32},
                     {"request_id": "g1", "kind": "generate", "n_tokens": 0, "error": "ValueError: too long"},
                     {"request_id": "g2", "kind": "generate", "n_tokens": 2, "text": "Rome.",
                      "token_ids": [11, 12], "logprobs": [[11, -0.1], [12, -2.5]]}]
@@ -183,12 +184,19 @@ def test_peer_requests_carry_instruction_truncation_and_vectors_back():
     client.submit("generate", "g2", "Q:", SamplingParams(max_tokens=8, stop=["\n"], logprobs=0))
     assert peer.sent[2][3] == {"max_tokens": 8, "temperature": 1.0, "ignore_eos": False, "stop": ["\n"],
                                "logprobs": 0}
+    # reasoning search: the stop string kept in the text, and its round's grammar (vLLM's structured outputs)
+    client.submit("generate", "g3", "Q:", SamplingParams(max_tokens=8, stop=["</search>"],
+                                                         include_stop_str_in_output=True,
+                                                         structured_outputs=StructuredOutputsParams(regex="<a>[^<]*")))
+    assert peer.sent[3][3]["include_stop_str_in_output"] and peer.sent[3][3]["structured_outputs"] == {
+        "regex": "<a>[^<]*"}
     emb, gen, bad, flare = client.poll(0.0)
     assert flare.token_ids == [11, 12] and [(lp.token_id, lp.logprob) for lp in flare.logprobs] == [(11, -0.1),
                                                                                                    (12, -2.5)]
     assert gen.logprobs is None
     assert torch.equal(emb.embedding, torch.tensor([0.6, 0.8])) and emb.error is None
     assert (gen.text, len(gen.token_ids), gen.finish_reason) == ("Paris", 2, "length")
+    assert (len(gen.prompt_token_ids), gen.num_cached_tokens) == (40, 32)  # prefill per question: 8 computed
     assert bad.finish_reason == "error" and "too long" in bad.text
     with pytest.raises(TypeError, match="text inputs only"):
         client.submit("embed", "e1", [1, 2, 3], None)

@@ -19,7 +19,8 @@ def _run(folder: Path, em: list[int], recall: list[float | None], errors: set[in
         for i, (e, r) in enumerate(zip(em, recall)):
             rec = QARecord(id=f"q{i}", question="?", golden_answers=["a"], type=None, supporting_titles=[],
                            prediction=f"{prediction}{i}" if i % 2 else "same", em=e, f1=0.5 * e, acc=e,
-                           recall={"recall@5": r}, index=i, error="boom" if i in errors else None)
+                           recall={"recall@5": r, "recall@used": r, "recall@10": r}, index=i,
+                           error="boom" if i in errors else None)
             f.write(json.dumps(rec.to_json()) + "\n")
     return folder
 
@@ -38,6 +39,8 @@ def test_paired_differences_gains_losses_and_a_seeded_interval(tmp_path):
     # difference, sqrt(0.19 / 40) = 0.069, i.e. ~0.27 wide; unpaired (two means' errors) it would be ~0.40
     assert em.low < em.diff < em.high
     assert abs((em.high - em.low) - 3.92 * (0.19 / n) ** 0.5) < 0.04
+    # recall@k by k, then a gathering method's recall@used
+    assert [m.name for m in c.metrics][-3:] == ["recall@5", "recall@10", "recall@used"]
     rec5 = {m.name: m for m in c.metrics}["recall@5"]
     assert rec5.n == n - 1 and rec5.diff == 0 and rec5.low == rec5.high == 0.0  # None left out; equal: no spread
     again = compare_runs(base, other, resamples=4000, seed=1)

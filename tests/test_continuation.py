@@ -70,6 +70,11 @@ def test_a_hold_pins_blocks_until_its_deadline_or_until_running_work_needs_them(
     bm.expire_holds(now=99.0)
     assert bm.num_free_blocks == 2  # not yet
     big = gen("big", range(100, 112))  # needs 3 blocks: the hold gives way rather than the running request
+    assert not bm.can_allocate(big, 12) and bm.holds  # asking alone drops nothing (bulk work asks this way)
+    huge = gen("huge", range(100, 120))  # 5 blocks: even without the hold too few, so the hold stays
+    bm.reclaim(huge, 20)
+    assert bm.holds
+    bm.reclaim(big, 12)
     assert bm.can_allocate(big, 12) and not bm.holds and bm.num_free_blocks == 4
     b = gen("b", range(9), hold=10.0)
     compute_all_but_last(bm, b)
@@ -199,11 +204,22 @@ def test_continuation_errors_name_the_problem(tiny) -> None:
     engine.continue_(held.request_id, [])  # nothing appended: it generates on from where it stopped
     with pytest.raises(ValueError, match="is still running"):
         engine.continue_(held.request_id, [3])
-    engine.abort(held.request_id)  # an aborted continuation is not continuable, but the earlier round still is
+    engine.abort(held.request_id)  # an aborted round is not continuable, and the earlier round's record goes too
     assert not engine.has_unfinished()
-    engine.continue_(held.request_id, [3])
-    out = engine.run_until_done()[held.request_id]
+    with pytest.raises(ValueError, match="was aborted"):
+        engine.continue_(held.request_id, [3])
+    (again,) = engine.generate([_ids(10, 2)], rounds_params(max_tokens=2))
+    engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=1)])  # NOTE: ids differ; the record stays
+    rid = engine.continue_(again.request_id, [3])
+    out = engine.run_until_done()[rid]
     assert len(out.prompt_token_ids) == 10 + 2 + 1 and len(out.token_ids) == 2
+    # a later round under the id that does not hold replaces nothing: the record is gone, and release says so
+    assert engine.continue_(rid, [4], SamplingParams(max_tokens=1)) == rid and engine.run_until_done()
+    with pytest.raises(ValueError, match="did not set SamplingParams.hold_kv_s"):
+        engine.continue_(rid, [4])
+    assert not engine.release(rid)
+    (kept,) = engine.generate([_ids(20, 3)], rounds_params(max_tokens=2))
+    assert engine.block_manager.holds and engine.release(kept.request_id) and not engine.block_manager.holds
 
 
 @pytest.mark.slow

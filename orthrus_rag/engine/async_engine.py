@@ -251,6 +251,15 @@ class AsyncEngine:
             async for item in items:
                 yield item
 
+    async def release(self, request_id: str) -> bool:
+        """Forget a finished generation nobody will continue: its record and held KV go now (Engine.release)."""
+        if self._closed or (self._stopped is not None and self._stopped.done()):
+            return False
+        self._bind()
+        reply = self._loop.create_future()
+        self._commands.put(("release", request_id, reply))
+        return await reply
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its blocks are freed at once. False if it is unknown or already finished."""
         if self._closed or (self._stopped is not None and self._stopped.done()):
@@ -375,8 +384,8 @@ class AsyncEngine:
                 return cmds
 
     def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "abort":
-            ok = self._loop_core.abort(cmd[1])
+        if cmd[0] in ("abort", "release"):
+            ok = self._loop_core.abort(cmd[1]) if cmd[0] == "abort" else self._engine.release(cmd[1])
             if cmd[2] is not None:
                 self._outbox.append((_Sink("", future=cmd[2]), ok, False))
             return
@@ -404,7 +413,7 @@ class AsyncEngine:
         for cmd in self._drain(cmds):
             if cmd[0] in ("add", "continue"):
                 self._outbox.append((cmd[-1], err, True))
-            elif cmd[0] == "abort" and cmd[2] is not None:
+            elif cmd[0] in ("abort", "release") and cmd[2] is not None:
                 self._outbox.append((_Sink("", future=cmd[2]), False, False))
         self._outbox.append((_Sink("", future=self._stopped), None, False))
         with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed under us: nobody to tell

@@ -149,6 +149,12 @@ class Engine:
         ids = list(record.token_ids) + self.inputs.appended(appended)
         return self.add_generate(ids, params or record.params, request_id, stream=stream)
 
+    def release(self, request_id: str) -> bool:
+        """Forget a finished generation nobody will continue: its record and its held KV go now, not at the
+        deadline. Whether there was either."""
+        had_hold = self.block_manager.release_hold(request_id)
+        return self.continuations.forget(request_id) or had_hold
+
     @property
     def grammars(self) -> GrammarCompiler:
         """The compiler of this model's constrained requests; `prepare(spec)` from a worker thread compiles a
@@ -263,6 +269,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort", time.monotonic(), RequestStatus.ABORTED)
+        self.continuations.remember(req)  # NOTE: not continuable: an earlier round's record goes too
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)
         if req.is_embed:
             return EmbeddingOutput(req.req_id, req.prompt_token_ids, torch.empty(0), "abort", metrics)

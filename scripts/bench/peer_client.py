@@ -32,8 +32,12 @@ def sampling_dict(params: SamplingParams | PoolingParams | None) -> dict[str, An
     # token's logprob; a peer that ignored them would generate (and be timed on) different work
     if params.stop:
         out["stop"] = list(params.stop)
+    if params.include_stop_str_in_output:  # NOTE: reasoning search keeps its </search> in the round's text
+        out["include_stop_str_in_output"] = True
     if params.logprobs is not None:
         out["logprobs"] = params.logprobs
+    if params.structured_outputs is not None:  # NOTE: vLLM's StructuredOutputsParams fields (the peer builds it)
+        out["structured_outputs"] = params.structured_outputs.as_request()
     return out
 
 
@@ -60,8 +64,10 @@ def to_output(d: dict[str, Any]) -> GenerationOutput | EmbeddingOutput:
         ids = d.get("token_ids") or [0] * int(d.get("n_tokens", 0))
         logprobs = ([TokenLogprob(int(t), float(lp), []) for t, lp in d["logprobs"]]
                     if d.get("logprobs") is not None else None)
-        return GenerationOutput(rid, [], ids, err or d.get("text", ""), "error" if err else "length",
-                                logprobs=logprobs)
+        # NOTE: the prompt's length and its prefix-cache hits, where the peer says (vLLM): prefill per question
+        return GenerationOutput(rid, [0] * int(d.get("prompt_tokens", 0)), ids, err or d.get("text", ""),
+                                "error" if err else "length", logprobs=logprobs,
+                                num_cached_tokens=int(d.get("cached_tokens") or 0))
     import torch
 
     vector = torch.tensor(d["embedding"], dtype=torch.float32) if "embedding" in d else torch.empty(0)

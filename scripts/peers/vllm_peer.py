@@ -130,6 +130,10 @@ def _engine_main(role: str, model: str, llm_kwargs: dict, env: dict, pin_cpus: l
                 try:
                     prompt: Any = text
                     if kind == GENERATE:
+                        if "structured_outputs" in params:  # a dict of vLLM's StructuredOutputsParams fields
+                            from vllm.sampling_params import StructuredOutputsParams
+
+                            params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
                         sp = SamplingParams(**params)
                         sp.output_kind = RequestOutputKind.FINAL_ONLY
                     else:
@@ -155,6 +159,7 @@ def _engine_main(role: str, model: str, llm_kwargs: dict, env: dict, pin_cpus: l
                         comp = out.outputs[0]
                         res["n_tokens"] = len(comp.token_ids)
                         res["prompt_tokens"] = len(out.prompt_token_ids or [])
+                        res["cached_tokens"] = int(getattr(out, "num_cached_tokens", 0) or 0)
                         res["text"] = comp.text
                         if comp.logprobs is not None:  # asked for (FLARE): each sampled token's own logprob
                             res["token_ids"] = list(comp.token_ids)

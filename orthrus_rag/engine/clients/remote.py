@@ -15,6 +15,7 @@ import asyncio
 import base64
 import itertools
 import weakref
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import fields
@@ -34,6 +35,7 @@ _REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority", "input_type
 _EXTRA_DEFAULTS: dict[str, Any] = {"top_k": 0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
                                    "include_stop_str_in_output": False, "priority": 0, "hold_kv_s": 0.0}
 MAX_HELD = 4096  # generations `continue_` can still name (their token ids; oldest forgotten first)
+MAX_HELD_TOKENS = 8 << 20  # their token ids in all (4 bytes each)
 
 
 class RemoteClient:
@@ -57,7 +59,8 @@ class RemoteClient:
         self._counted = InFlight()
         self._ids = itertools.count()
         # request id -> (prompt + output token ids, params) of generations that held their KV on the server
-        self._held: OrderedDict[str, tuple[list[int], SamplingParams]] = OrderedDict()
+        self._held: OrderedDict[str, tuple[array, SamplingParams]] = OrderedDict()
+        self._held_tokens = 0
 
     # ---- what the server serves ---------------------------------------------------------------------------------
     @property
@@ -120,12 +123,26 @@ class RemoteClient:
         result = GenerationOutput(request_id or out.id, list(getattr(choice, "prompt_token_ids", None) or []),
                                   list(getattr(choice, "token_ids", None) or []), choice.text, choice.finish_reason,
                                   num_cached_tokens=int(getattr(details, "cached_tokens", 0) or 0))
+        self._forget(result.request_id)  # NOTE: a later round under the id replaces (or ends) what was held
         if params is not None and params.hold_kv_s and result.prompt_token_ids:
-            self._held[result.request_id] = (result.prompt_token_ids + result.token_ids, params)
-            self._held.move_to_end(result.request_id)
-            while len(self._held) > MAX_HELD:
-                self._held.popitem(last=False)
+            ids = array("i", result.prompt_token_ids + result.token_ids)
+            self._held[result.request_id] = (ids, params)
+            self._held_tokens += len(ids)
+            while self._held and (len(self._held) > MAX_HELD or self._held_tokens > MAX_HELD_TOKENS):
+                _, (old, _) = self._held.popitem(last=False)
+                self._held_tokens -= len(old)
         return result
+
+    def _forget(self, request_id: str) -> None:
+        old = self._held.pop(request_id, None)
+        if old is not None:
+            self._held_tokens -= len(old[0])
+
+    async def release(self, request_id: str) -> bool:
+        """Forget a generation nobody will continue (its hold on the server ends at its deadline)."""
+        found = request_id in self._held
+        self._forget(request_id)
+        return found
 
     @property
     def can_continue(self) -> bool:
@@ -147,7 +164,7 @@ class RemoteClient:
             extra = self.tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else []
         else:
             extra = list(appended)
-        return await self.generate(held[0] + extra, params or held[1], request_id)
+        return await self.generate(held[0].tolist() + extra, params or held[1], request_id)
 
     async def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                               request_id: str | None = None) -> AsyncIterator[GenerationOutput]:

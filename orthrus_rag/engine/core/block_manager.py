@@ -19,14 +19,16 @@ always computed (its logits are needed).
 
 Held blocks: a finished generation that may be continued (`SamplingParams.hold_kv_s`, engine/continuation.py) keeps
 its named blocks pinned under its id until a deadline, so nothing evicts them meanwhile; its continuation (a request
-under the same id) drops the hold once it has matched the blocks itself. Holds are bounded: past the deadline, or as
-soon as an allocation finds too few free blocks (oldest hold first, a waiting continuation's included: running work
-comes first), they are released, and a late continuation finds what is still cached and recomputes the rest.
+under the same id) drops the hold once it has matched the blocks itself, and `release_hold` drops one nobody will
+continue. Holds are bounded: past the deadline, or as soon as serving work finds too few free blocks (`reclaim`:
+oldest hold first, only when dropping frees enough; bulk work never takes them), they are released, and a late
+continuation finds what is still cached and recomputes the rest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict, deque
 
@@ -92,6 +94,13 @@ class BlockManager:
     def expire_holds(self, now: float) -> None:
         """Release the holds whose deadline has passed."""
 
+    def release_hold(self, key: str) -> bool:
+        """Drop the hold under `key` now (a generation nobody will continue); whether there was one."""
+        return False
+
+    def reclaim(self, req: Request, num_new_tokens: int) -> None:
+        """Release holds (oldest first) so that serving work `req` finds its blocks, if dropping them frees enough."""
+
     def _take(self) -> int:
         return self.free_blocks.popleft()
 
@@ -109,6 +118,8 @@ class PrefixCachingBlockManager(BlockManager):
         self.block_of: dict[bytes, int] = {}
         self.num_hit_tokens = 0  # prompt tokens served from the cache so far (first admissions only)
         self.holds: OrderedDict[str, tuple[list[int], float]] = OrderedDict()  # key -> (pinned blocks, deadline)
+        self._deadlines: list[tuple[float, int, str]] = []  # a heap (deadline, serial, key); stale entries skipped
+        self._serial = 0
 
     def block_names(self, req: Request, num_blocks: int) -> list[bytes]:
         """Names of the first `num_blocks` full blocks of `req`'s tokens (prompt, then output), each computed once
@@ -179,16 +190,33 @@ class PrefixCachingBlockManager(BlockManager):
             blocks.append(block)
         if blocks:
             self.holds[key] = (blocks, until)
+            self._serial += 1
+            heapq.heappush(self._deadlines, (until, self._serial, key))
 
     def expire_holds(self, now: float) -> None:
-        for key in [k for k, (_, until) in self.holds.items() if until <= now]:
-            self._drop_hold(key)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, _, key = heapq.heappop(self._deadlines)
+            held = self.holds.get(key)
+            if held is not None and held[1] == until:  # NOTE: else dropped or replaced since (a stale entry)
+                self._drop_hold(key)
+        if not self.holds:
+            self._deadlines.clear()
 
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        needed = self.num_blocks_needed(req, num_new_tokens)
-        while needed > len(self.free_blocks) and self.holds:  # NOTE: running work comes before a paused one's KV
+    def release_hold(self, key: str) -> bool:
+        found = key in self.holds
+        self._drop_hold(key)
+        return found
+
+    def reclaim(self, req: Request, num_new_tokens: int) -> None:
+        short = self.num_blocks_needed(req, num_new_tokens) - len(self.free_blocks)
+        if short <= 0 or not self.holds:
+            return
+        # NOTE: a held block another request also uses frees nothing when its hold goes
+        freeable = sum(1 for blocks, _ in self.holds.values() for b in blocks if self.ref_counts[b] == 1)
+        if freeable < short:
+            return  # NOTE: dropping every hold would not be enough: keep them, the caller preempts instead
+        while len(self.free_blocks) < self.num_blocks_needed(req, num_new_tokens) and self.holds:
             self._drop_hold(next(iter(self.holds)))
-        return needed <= len(self.free_blocks)
 
     def _drop_hold(self, key: str) -> None:
         blocks, _ = self.holds.pop(key, ([], 0.0))

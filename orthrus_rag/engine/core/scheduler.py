@@ -235,6 +235,8 @@ class Scheduler(SchedulerQueues):
         than `req`: blocks only flow from newer to older, so the oldest serving request always progresses); False
         if `req` itself was preempted."""
         # NOTE: decodes are scheduled before older in-flight prefills, so a victim may already be in this step
+        if not req.is_bulk:  # NOTE: serving work takes a finished generation's held KV before a running one's
+            self.block_manager.reclaim(req, num_new)
         while not self.block_manager.can_allocate(req, num_new):
             victim = self._victim(req)
             self._preempt(victim, out)
@@ -400,6 +402,8 @@ class Scheduler(SchedulerQueues):
                 continue
             self.block_manager.match_prefix(req)  # a cached prompt prefix counts as computed
             num_new = min(req.num_remaining_tokens, left, cfg.max_chunk_tokens)
+            if not req.is_bulk:
+                self.block_manager.reclaim(req, num_new)
             if not self.block_manager.can_allocate(req, num_new):
                 self.block_manager.unmatch(req)
                 admit = False  # in-flight requests later in the list still continue

@@ -243,6 +243,9 @@ async def completions_stream(service: OpenAIService, req: CompletionRequest) -> 
     if req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs are not supported with stream=true; ask without streaming",
                           "prompt_logprobs")
+    if req.return_token_ids:
+        raise bad_request("return_token_ids is not supported with stream=true; ask without streaming",
+                          "return_token_ids")
     service.reserve(len(params))
     rid, created, model = new_id("cmpl"), int(time.time()), req.model
 

@@ -155,12 +155,11 @@ class Responses:
         return params, messages, tool
 
     async def _search(self, tool: FileSearch, query: str, disconnected: Any) -> tuple[list[Hit], str]:
-        """The tool's hits and its status; a search that fails is a failed tool call, not a failed response."""
+        """The tool's hits and its status; a search that fails (the stores were checked before: a query the embedder
+        refuses, an engine error) is a failed tool call, not a failed response."""
         try:
             return await self.stores.search(tool.vector_store_ids, query, tool.k, disconnected), "completed"
         except OpenAIError as exc:
-            if exc.status < 500:
-                raise
             logger.warning("file_search failed: %s", exc.message)
         except Exception:  # noqa: BLE001 (reported in the response)
             logger.exception("file_search failed")

@@ -183,6 +183,8 @@ class ChatCompletionRequest(_Sampling):
             bad.append("top_logprobs without logprobs=true")
         if self.prompt_logprobs is not None:
             bad.append("prompt_logprobs (on /v1/completions)")
+        if self.return_token_ids:
+            bad.append("return_token_ids (on /v1/completions)")
         return list(dict.fromkeys(bad))
 
     def token_limit(self) -> int | None:

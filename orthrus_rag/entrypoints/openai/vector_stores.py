@@ -18,6 +18,7 @@ index's folder (`vector_stores.json`); an uploaded file no store has taken yet l
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -40,6 +41,7 @@ INDEX_STORE = "vs_index"  # the whole index
 REGISTRY_FILE = "vector_stores.json"
 MAX_NUM_RESULTS = 50  # OpenAI's bound for file_search and vector-store searches
 MAX_FILE_BYTES = 8 << 20
+MAX_PENDING_BYTES = 64 << 20  # uploads no store has taken yet, in all (they are held in memory until one does)
 CHUNK_WORDS, CHUNK_OVERLAP = 160, 32  # passages the default embedders (256-token windows) take whole
 Hit = tuple[Passage, float]
 
@@ -66,6 +68,15 @@ class StoreSearchRequest(_Strict):
     rewrite_query: bool = False
     filters: dict[str, Any] | None = None
     ranking_options: dict[str, Any] | None = None
+
+
+def refuse_unsupported(body: BaseModel, names: tuple[str, ...]) -> None:
+    """A field the client's types offer but this server does not act on is a 400 naming it, not a silent no-op
+    (null, false and `{"type": "auto"}` chunking pass: they ask for nothing)."""
+    for name in names:
+        value = getattr(body, name)
+        if value not in (None, False, {}, {"type": "auto"}):
+            raise OpenAIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
 
 
 @dataclass
@@ -104,6 +115,7 @@ class VectorStores:
         self.files: dict[str, FileCard] = {}
         self.stores: dict[str, Store] = {}
         self._texts: dict[str, str] = {}  # uploaded and not yet indexed
+        self._indexing: dict[str, asyncio.Lock] = {}  # one indexing of a file at a time (two stores may ask at once)
         self._load()
 
     # ---- the registry on disk ---------------------------------------------------------------------------------
@@ -140,6 +152,12 @@ class VectorStores:
         except UnicodeDecodeError as exc:
             raise OpenAIError(400, f"file {filename!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); this "
                               "server indexes text files", param="file", code="unsupported_file") from None
+        pending = sum(len(t.encode()) for t in self._texts.values())
+        if pending + len(data) > MAX_PENDING_BYTES:
+            raise OpenAIError(429, f"{pending} bytes of uploads wait for a vector store already (the limit is "
+                              f"{MAX_PENDING_BYTES}); add them to a store first", param="file", code="too_many_pending")
+        if not text.strip():
+            raise OpenAIError(400, f"file {filename!r} holds no text", param="file", code="empty_file")
         card = FileCard(f"file-{uuid.uuid4().hex[:24]}", filename, len(data), int(time.time()), purpose)
         self.files[card.id] = card
         self._texts[card.id] = text
@@ -166,9 +184,9 @@ class VectorStores:
         for file_id in body.file_ids:  # NOTE: every file known and readable before any is indexed
             self._readable(self.file(file_id))
         store = Store(f"vs_{uuid.uuid4().hex[:24]}", body.name, int(time.time()), metadata=dict(body.metadata or {}))
-        self.stores[store.id] = store
         for file_id in body.file_ids:
             await self._add_file(store, file_id)
+        self.stores[store.id] = store  # NOTE: listed once its files are in (a failed add leaves no half-made store)
         self._save()
         return self.card(store)
 
@@ -188,6 +206,16 @@ class VectorStores:
 
     async def _add_file(self, store: Store, file_id: str) -> FileCard:
         card = self.file(file_id)
+        lock = self._indexing.setdefault(file_id, asyncio.Lock())
+        async with lock:  # NOTE: a second store asking meanwhile finds it indexed
+            await self._index_file(card)
+        self._indexing.pop(file_id, None)
+        if file_id not in store.file_ids:
+            store.file_ids.append(file_id)
+        return card
+
+    async def _index_file(self, card: FileCard) -> None:
+        file_id = card.id
         self._readable(card)
         if not card.passage_ids:
             text = self._texts[file_id]
@@ -199,9 +227,6 @@ class VectorStores:
             await self.documents.add_passages(passages)
             card.passage_ids = [p.id for p in passages]
             self._texts.pop(file_id, None)
-        if file_id not in store.file_ids:
-            store.file_ids.append(file_id)
-        return card
 
     def card(self, store: Store) -> dict[str, Any]:
         n = len(self.documents.require()) if store.id == INDEX_STORE else len(store.file_ids)
@@ -274,6 +299,7 @@ def add_vector_store_routes(app: FastAPI, stores: VectorStores, v1: list) -> Non
 
     @app.post("/v1/vector_stores/{store_id}/files", dependencies=v1)
     async def add_file(store_id: str, body: AddFileRequest) -> dict[str, Any]:
+        refuse_unsupported(body, ("attributes", "chunking_strategy"))
         return await stores.add_file(store_id, body.file_id)
 
     @app.get("/v1/vector_stores/{store_id}/files", dependencies=v1)
@@ -292,6 +318,7 @@ def add_vector_store_routes(app: FastAPI, stores: VectorStores, v1: list) -> Non
 
     @app.post("/v1/vector_stores/{store_id}/search", dependencies=v1)
     async def search(store_id: str, body: StoreSearchRequest, request: Request) -> dict[str, Any]:
+        refuse_unsupported(body, ("rewrite_query", "filters", "ranking_options"))
         queries = [body.query] if isinstance(body.query, str) else list(body.query)
         if not queries or any(not q.strip() for q in queries):
             raise OpenAIError(400, "query is empty", param="query", code="empty_query")

@@ -243,7 +243,7 @@ def _plot_methods(plt, by_method: dict[str, dict[str, dict]]):
                                   va="bottom", fontsize=7)
     for ax, title, label in ((ax_q, "throughput (× the vLLM pair above the engine's bar)", "questions/s"),
                              (ax_p, "p99 latency per question", "seconds")):
-        ax.set_xticks(x, [m.replace("_", " ") for m in methods], fontsize=8)
+        ax.set_xticks(x, [m.replace("_top3", " (top-3)").replace("_", " ") for m in methods], fontsize=8)
         ax.set(title=title, ylabel=label)
         style_bars(ax)
     ax_q.legend(fontsize=7, loc="upper right")
