@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 from orthrus_rag import CacheConfig, Engine, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.core.block_manager import PrefixCachingBlockManager
+from orthrus_rag.engine.core.policies import POLICIES
 from orthrus_rag.engine.core.request import Request, RequestKind
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter
 from tests.test_model_parity import EOS, _build, _ids, _StubTokenizer
@@ -120,11 +121,11 @@ def tiny(tmp_path_factory):
     return ours, slots
 
 
-def tiny_engine(tiny, num_blocks: int = 64, prefix_caching: bool = True) -> Engine:
+def tiny_engine(tiny, num_blocks: int = 64, prefix_caching: bool = True, policy: str = "orthrus") -> Engine:
     model, slots = tiny
     cfg = EngineConfig(model=ModelConfig(name="tiny", dtype="float32", device="cpu"),
                        cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=32, max_chunk_tokens=16))
+                       scheduler=SchedulerConfig(max_num_batched_tokens=32, max_chunk_tokens=16, policy=policy))
     engine = Engine(cfg, model, _StubTokenizer())
     engine.adapter_slots, engine.adapter_kinds = dict(slots), {"gen": "generate"}
     return engine
@@ -165,10 +166,11 @@ def test_a_continuation_equals_a_fresh_request_over_the_whole_sequence(tiny, ada
 
 
 @pytest.mark.slow
-def test_continuations_through_preemption_and_lost_holds_keep_their_tokens(tiny) -> None:
-    """12 blocks for 6 sequences of up to 70 tokens: holds are dropped and requests preempted along the way; every
-    round still equals a fresh request's tokens and no block is lost."""
-    engine, plain = tiny_engine(tiny, num_blocks=12), tiny_engine(tiny, prefix_caching=False)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_continuations_through_preemption_and_lost_holds_keep_their_tokens(tiny, policy) -> None:
+    """12 blocks for 6 sequences of up to 70 tokens: holds are dropped and requests preempted along the way, under
+    every policy; every round still equals a fresh request's tokens and no block is lost."""
+    engine, plain = tiny_engine(tiny, num_blocks=12, policy=policy), tiny_engine(tiny, prefix_caching=False)
     seqs = {f"s{i}": _ids(20 + 3 * i, 20 + i) for i in range(6)}
     params = SamplingParams(max_tokens=12, temperature=0.0, hold_kv_s=60.0, stop_token_ids=[STOP])
     for rid, prompt in seqs.items():
