@@ -19,7 +19,7 @@ from orthrus_rag import PoolingParams, SamplingParams
 from orthrus_rag.engine.clients import ClientFailed, DeploymentClient, RequestFailed
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.deploy import WorkerError
-from orthrus_rag.engine.engine import EngineLoop, StepFailed
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, error_output
 
 pytestmark = pytest.mark.slow  # builds engines / loads models (make test-fast skips it)

@@ -16,7 +16,7 @@ from orthrus_rag import PoolingParams, SamplingParams
 from orthrus_rag.engine.async_engine import AsyncEngine
 from orthrus_rag.engine.deploy.spec import WorkItem, dumps, loads
 from orthrus_rag.engine.deploy.worker import _Worker
-from orthrus_rag.engine.engine import EngineLoop, StepFailed
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.engine.core.request import RequestKind
 
 pytestmark = pytest.mark.slow  # builds on the shared engine (make test-fast skips it)
@@ -61,7 +61,7 @@ def test_only_the_engine_loop_calls_engine_step():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step" \
                     and not node.args:
                 callers.append(owners.get(id(node), str(path.relative_to(PACKAGE))))
-    assert callers == ["engine/engine.py:EngineLoop"], callers  # once: EngineLoop.run_step
+    assert callers == ["engine/loop.py:EngineLoop"], callers  # once: EngineLoop.run_step
 
 
 class _Recorder:

@@ -26,7 +26,8 @@ from orthrus_rag.engine.clients.protocol import (
     refuse_inside_event_loop,
 )
 from orthrus_rag.engine.core.request import RequestKind
-from orthrus_rag.engine.engine import Engine, EngineLoop, StepFailed
+from orthrus_rag.engine.engine import Engine
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.engine.executor.plan import ExecutionPlan
 from orthrus_rag.machine import release_openmp_pool
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, StepStats

@@ -1,14 +1,8 @@
-"""The synchronous engine, and the loop that every front end drives it through.
+"""The synchronous engine: add requests of both kinds, step, collect outputs.
 
-`Engine`: add requests of both kinds, step, collect outputs. `step()` is the whole step: the scheduler decides, the
-runner runs one flat batch (plus the encoder), the scheduler applies the outcome (`update_from_output`: tokens,
-stops, freed blocks) and the engine turns it into outputs.
-
-`EngineLoop`: the one owner of `Engine.step`. Every front end (the asyncio engine, a deployment's worker process,
-`Engine.run_until_done`) is a thin shell around it. It takes commands keyed by `RequestKind` (add, abort), steps the
-engine, and routes each output to the sink of its request: streaming snapshots as they come, the final output
-once. A step that raises fails every pending request, of every sink, with that error as the cause (their KV blocks
-freed), and the loop goes on serving.
+`step()` is the whole step: the scheduler decides, the runner runs one flat batch (plus the encoder), the scheduler
+applies the outcome (`update_from_output`: tokens, stops, freed blocks) and the engine turns it into outputs. Every
+front end drives it through the one `EngineLoop` (engine/loop.py).
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -347,6 +341,8 @@ class Engine:
         limit = max_steps if max_steps is not None else 10 + sum(
             r.num_tokens + (r.sampling_params.max_tokens if r.sampling_params else 0)
             for r in self.scheduler.requests.values()) * 4
+        from orthrus_rag.engine.loop import EngineLoop
+
         outputs: dict[str, EngineOutput] = {}
         EngineLoop(self, orphan=lambda o: outputs.update({o.request_id: o} if o.finished else {})).run_until_done(limit)
         return outputs
@@ -443,106 +439,3 @@ def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_runn
                      kv_blocks_used, embed_at_risk=sched.embed_at_risk, generate_at_risk=sched.generate_at_risk,
                      time_capped=sched.time_capped, num_yielded_decodes=len(sched.yielded),
                      predicted_step_time=sched.predicted_s)
-
-
-# ---- the loop around the engine -----------------------------------------------------------------------------
-class RequestSink(Protocol):
-    """Where one request's results go. Called on the loop's thread; must not block."""
-
-    def put(self, output: EngineOutput) -> None:
-        """A streaming snapshot (`output.finished` False) or the request's final output (an abort included)."""
-
-    def fail(self, exc: BaseException) -> None:
-        """The request failed as a whole (its step raised, the loop shut down); nothing follows."""
-
-
-class StepFailed(RuntimeError):
-    """An engine step raised (its `__cause__`); every request pending at that moment failed with that error."""
-
-
-class EngineLoop:
-    """Commands in, outputs out, for one engine. `orphan`: where outputs of requests that have no sink go (added
-    to the engine directly, as `Engine.run` does); None drops them."""
-
-    def __init__(self, engine: Engine, orphan: Callable[[EngineOutput], None] | None = None) -> None:
-        self.engine = engine
-        self.orphan = orphan
-        self.sinks: dict[str, RequestSink] = {}
-
-    # ---- commands ---------------------------------------------------------------------------------------------
-    def add(self, kind: RequestKind, request_id: str | None, input: Any, params: SamplingParams | PoolingParams | None,
-            sink: RequestSink, *, stream: bool = False, handoff: bool = False) -> str:
-        """Queue one request whose results go to `sink`; bad input raises (ValueError / TypeError) and adds
-        nothing. The one place that dispatches on the kind of a request."""
-        if kind is RequestKind.GENERATE:
-            rid = self.engine.add_generate(input, params, request_id, stream=stream, handoff=handoff)
-        elif kind is RequestKind.EMBED:
-            rid = self.engine.add_embed(input, params, request_id)
-        else:
-            kinds = ", ".join(k.value for k in RequestKind)
-            raise ValueError(f"unknown request kind {kind!r}; expected one of {kinds}")
-        self.sinks[rid] = sink
-        return rid
-
-    def continue_(self, request_id: str, appended: Any, params: SamplingParams | None, sink: RequestSink, *,
-                  stream: bool = False) -> str:
-        """Continue a finished generation with appended tokens (Engine.continue_); bad input raises, adds nothing."""
-        rid = self.engine.continue_(request_id, appended, params, stream=stream)
-        self.sinks[rid] = sink
-        return rid
-
-    def add_prefilled(self, handoff: Any, sink: RequestSink) -> str:
-        """Continue a generation another engine prefilled (engine/handoff.py)."""
-        rid = self.engine.add_prefilled(handoff)
-        self.sinks[rid] = sink
-        return rid
-
-    def abort(self, request_id: str) -> bool:
-        """Abort a request: its blocks are freed at once and its sink gets a final output with finish_reason
-        "abort". False if it is unknown or already finished."""
-        out = self.engine.abort(request_id)
-        if out is None:
-            return False
-        sink = self.sinks.pop(request_id, None)
-        if sink is not None:
-            sink.put(out)
-        return True
-
-    # ---- stepping -----------------------------------------------------------------------------------------------
-    @property
-    def has_work(self) -> bool:
-        return self.engine.has_unfinished()
-
-    def run_step(self) -> None:
-        """One engine step, its outputs routed; a step that raises fails every pending request and raises
-        `StepFailed` (the engine is then empty and usable again)."""
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing %d pending requests",
-                             len(self.engine.unfinished_request_ids()))
-            self.fail_all(exc)  # NOTE: each caller gets the cause itself
-            raise StepFailed(f"the engine step failed: {type(exc).__name__}: {exc}") from exc
-        for out in outputs:
-            sink = self.sinks.pop(out.request_id, None) if out.finished else self.sinks.get(out.request_id)
-            if sink is not None:
-                sink.put(out)
-            elif self.orphan is not None:
-                self.orphan(out)
-
-    def fail_all(self, exc: BaseException) -> None:
-        """Abort every request in the engine (freeing its blocks) and fail each sink's request with `exc`."""
-        for rid in self.engine.unfinished_request_ids():
-            self.engine.abort(rid)
-        sinks, self.sinks = self.sinks, {}
-        for sink in sinks.values():
-            sink.fail(exc)
-
-    def run_until_done(self, max_steps: int) -> None:
-        """Step until the engine has no unfinished request; RuntimeError past `max_steps` steps."""
-        for _ in range(max_steps):
-            if not self.has_work:
-                return
-            self.run_step()
-        if self.has_work:
-            raise RuntimeError(f"requests unfinished after {max_steps} steps")

@@ -21,7 +21,7 @@ import torch
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.deploy.spec import WorkItem, build_engine_for, dumps, loads
 from orthrus_rag.engine.engine import Engine
-from orthrus_rag.engine.engine import EngineLoop, StepFailed
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, HandoffOutput, error_output
 
