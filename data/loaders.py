@@ -31,6 +31,8 @@ DATASETS: dict[str, DatasetSpec] = {
     "hotpotqa": DatasetSpec("hotpotqa/hotpot_qa", "distractor", "validation"),
     "synthetic": DatasetSpec(None),
     "jsonl": DatasetSpec(None, file_only=True),
+    # FlashRAG's dataset files ({"id", "question", "golden_answers", "metadata"} a line): any of its benchmarks
+    "flashrag": DatasetSpec(None, file_only=True),
 }
 
 

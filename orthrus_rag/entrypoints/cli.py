@@ -7,6 +7,7 @@
     orthrus-rag summarize PATH...      table run folders (a sweep's jobs) side by side
     orthrus-rag compare BASE OTHER     two runs of one dataset, paired per question: each metric's difference
                                        with a bootstrap interval, questions gained and lost
+    orthrus-rag export RUN_DIR         a run's records in FlashRAG's result shape (intermediate_data.json)
     orthrus-rag index [overrides...]   build and save the retrieval index of a dataset's corpus
     orthrus-rag serve [overrides...]   the OpenAI-compatible server (e.g. serve.port=8000 serve.api_key=...)
     orthrus-rag ask ["QUESTION"] [overrides...]   answer a question over your index (retriever.index_dir=...),
@@ -314,6 +315,18 @@ def compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def export(args: argparse.Namespace) -> int:
+    from orthrus_rag.pipelines.export import export_run
+
+    try:
+        path = export_run(args.run_dir, args.format, args.out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"exported to {path}")
+    return EXIT_OK
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -346,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resamples", type=int, default=10_000, help="bootstrap draws (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0: a table is reproducible)")
     p.add_argument("--level", type=float, default=0.95, help="the intervals' coverage (default 0.95)")
+    p = sub.add_parser("export", help="a run's records in FlashRAG's result shape, for its evaluator")
+    p.add_argument("run_dir", help="run folder (records.jsonl)")
+    p.add_argument("--format", default="flashrag", choices=["flashrag"], help="the shape (default flashrag)")
+    p.add_argument("--out", default=None, help="file to write (default RUN_DIR/intermediate_data.json)")
     sub.add_parser("serve", help="the OpenAI-compatible server (Hydra overrides follow)")
     sub.add_parser("ask", help="answer a question over your index, streamed and cited (the question, then Hydra "
                                "overrides; without a question, a prompt)")
@@ -359,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return {"demo": demo, "summarize": summarize, "compare": compare}[args.command](args)
+    return {"demo": demo, "summarize": summarize, "compare": compare, "export": export}[args.command](args)
 
 
 if __name__ == "__main__":
