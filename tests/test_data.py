@@ -134,7 +134,7 @@ def test_synthetic_is_deterministic_per_seed() -> None:
     assert make_synthetic(40, seed=3) == make_synthetic(40, seed=3)
     assert make_synthetic(40, seed=3) != make_synthetic(40, seed=4)
     assert [e.id for e in load_qa("synthetic", limit=12)] == [e.id for e in make_synthetic(12)]
-    assert set(DATASETS) == {"2wiki", "hotpotqa", "synthetic", "jsonl"}
+    assert set(DATASETS) == {"2wiki", "hotpotqa", "synthetic", "jsonl", "flashrag"}
 
 
 def test_the_jsonl_dataset_reads_only_the_users_file(tmp_path) -> None:
