@@ -33,7 +33,7 @@ def _compose(*overrides: str):
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_group_option_composes_and_validates(group, option, tmp_path):
     overrides = [f"{group}={option}", f"run_dir={tmp_path}"]
-    if option in ("2wiki_dev200", "jsonl") and group != "corpus":  # NOTE: these read the user's question file
+    if option in ("2wiki_dev200", "jsonl", "flashrag") and group != "corpus":  # NOTE: these read the user's question file
         overrides.append(f"dataset.path={tmp_path / 'd.jsonl'}")
         (tmp_path / "d.jsonl").write_text("")
     if group == "corpus" and option in ("jsonl", "files"):  # NOTE: these two name what they read
