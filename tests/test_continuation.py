@@ -92,11 +92,18 @@ def test_a_continuation_drops_the_hold_once_it_has_matched_the_blocks() -> None:
     compute_all_but_last(bm, a)
     bm.hold("a", a, until=100.0)
     bm.free(a)
-    other = gen("b", [*range(6), 40, 41, 42, 9, 9])  # another id finds the blocks but leaves the hold alone
-    assert compute_all_but_last(bm, other) == 8 and "a" in bm.holds
-    bm.free(other)
+    partial = gen("b", [*range(6), 99])  # another id matching only part of the held blocks leaves the hold alone
+    assert compute_all_but_last(bm, partial) == 4 and "a" in bm.holds
+    bm.free(partial)
     cont = gen("a", [*range(6), 40, 41, 42, 9, 9])
     assert compute_all_but_last(bm, cont) == 8 and not bm.holds
+    bm.free(cont)
+    bm.hold("a", cont, until=100.0)
+    over_http = gen("c", [*range(6), 40, 41, 42, 9, 9, 7])  # another id that matched every held block takes them over
+    assert compute_all_but_last(bm, over_http) == 8 and not bm.holds and not bm._hold_tails
+    bm.free(over_http)
+    cont = gen("a2", [*range(6), 40, 41, 42, 9, 9])
+    compute_all_but_last(bm, cont)
     assert all(bm.ref_counts[b] == 1 for b in cont.block_table[:2])  # the continuation's own reference only
     bm.free(cont)
     assert bm.num_free_blocks == bm.num_blocks and set(bm.ref_counts) == {0}
@@ -315,4 +322,5 @@ def test_a_remote_client_continues_over_http(served, smol_tokenizer) -> None:
     assert second.prompt_token_ids == [] or second.prompt_token_ids == whole  # ids come back only when held
     assert second.text == fresh.text
     assert second.num_cached_tokens >= (len(first.prompt_token_ids) + len(first.token_ids) - 1) // 16 * 16 > 0
+    assert not served.engine.block_manager.holds  # the continuation matched every held block: the hold is gone
     assert not RemoteClient(served.url).can_continue  # text is appended as ids: it needs the tokenizer

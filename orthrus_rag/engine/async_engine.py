@@ -13,22 +13,17 @@ import itertools
 import logging
 import queue
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
 
-from orthrus_rag.engine.clients.protocol import (
-    EngineQueueFull,
-    EngineShutdown,
-    RequestAborted,
-    refuse_inside_event_loop,
-)
+from orthrus_rag.engine.async_sinks import Sink, Snapshots
+from orthrus_rag.engine.clients.protocol import EngineQueueFull, EngineShutdown, refuse_inside_event_loop
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.engine import Engine
-from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.engine.executor.plan import ExecutionPlan
+from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.machine import release_openmp_pool
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, StepStats
 from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, is_bulk
@@ -36,62 +31,11 @@ from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, is
 logger = logging.getLogger(__name__)
 
 
-class _Snapshots:
-    """A stream's pending items. Unread snapshots are cumulative, so a newer one replaces an unread older one:
-    a slow consumer holds O(1) snapshots, not one per token."""
-
-    def __init__(self) -> None:
-        self._items: deque[Any] = deque()
-        self._ready = asyncio.Event()
-
-    def put_nowait(self, item: Any) -> None:
-        last = self._items[-1] if self._items else None
-        if _is_snapshot(last) and _is_snapshot(item):
-            self._items[-1] = item
-        else:
-            self._items.append(item)
-        self._ready.set()
-
-    async def get(self) -> Any:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-
-def _is_snapshot(item: Any) -> bool:
-    return isinstance(item, GenerationOutput) and not item.finished
-
-
-class _Sink:
-    """Where one request's results go: a future (embed/generate) or a queue (stream). Event-loop side only."""
-
-    def __init__(self, request_id: str, queue: _Snapshots | None = None,
-                 future: asyncio.Future[Any] | None = None, bulk: bool = False) -> None:
-        assert (queue is None) != (future is None)
-        self.request_id, self.queue, self.future, self.bulk = request_id, queue, future, bulk
-
-    def put(self, item: Any) -> None:
-        if self.queue is not None:
-            self.queue.put_nowait(item)
-        elif not self.future.done():  # NOTE: done when the awaiting caller was cancelled
-            if _is_abort(item):  # an awaiter of an aborted request gets RequestAborted, a stream its final output
-                item = RequestAborted(self.request_id)
-            if isinstance(item, BaseException):
-                self.future.set_exception(item)
-            else:
-                self.future.set_result(item)
-
-
-def _is_abort(item: Any) -> bool:
-    return getattr(item, "finish_reason", None) == "abort" and getattr(item, "finished", False)
-
-
 class _Outbox:
     """The engine thread's side of one request's sink (an `EngineLoop` sink): results wait in the outbox until
     the thread hands the batch to the event loop."""
 
-    def __init__(self, owner: "AsyncEngine", sink: _Sink) -> None:
+    def __init__(self, owner: "AsyncEngine", sink: Sink) -> None:
         self.owner, self.sink = owner, sink  # NOTE: the owner's outbox list is replaced at every flush
 
     def put(self, output: Any) -> None:
@@ -134,7 +78,7 @@ class AsyncEngine:
         # NOTE: the engine will step on a thread of its own: the OpenMP pool of the thread that built it (and builds
         # this front end, e.g. LangChain's LocalOrthrus, whose event loop runs elsewhere) would only idle beside it
         release_openmp_pool()
-        self._outbox: list[tuple[_Sink, Any, bool]] = []
+        self._outbox: list[tuple[Sink, Any, bool]] = []
 
     @classmethod
     def from_pretrained(cls, *args: Any, max_in_flight: int = 1024, **kwargs: Any) -> "AsyncEngine":
@@ -221,7 +165,7 @@ class AsyncEngine:
             async for item in items:
                 yield item
 
-    async def _stream(self, sink: _Sink) -> AsyncIterator[GenerationOutput]:
+    async def _stream(self, sink: Sink) -> AsyncIterator[GenerationOutput]:
         done = False
         try:
             while not done:
@@ -318,7 +262,7 @@ class AsyncEngine:
             self._thread.start()
 
     def _submit(self, kind: RequestKind, request_id: str | None, input: Any, params: Any, stream: bool,
-                continued: bool = False) -> _Sink:
+                continued: bool = False) -> Sink:
         if self._closed or (self._stopped is not None and self._stopped.done()):  # shut down, or the thread died
             raise EngineShutdown("AsyncEngine is shut down")
         self._bind()
@@ -329,8 +273,8 @@ class AsyncEngine:
         if not bulk and self._num_in_flight >= self.max_in_flight:
             raise EngineQueueFull(f"{self._num_in_flight} requests are pending; the limit is {self.max_in_flight}")
         rid = request_id or f"async-{kind.value}-{next(self._ids)}"
-        sink = (_Sink(rid, queue=_Snapshots(), bulk=bulk) if stream
-                else _Sink(rid, future=self._loop.create_future(), bulk=bulk))
+        sink = (Sink(rid, queue=Snapshots(), bulk=bulk) if stream
+                else Sink(rid, future=self._loop.create_future(), bulk=bulk))
         if bulk:
             self._num_bulk_in_flight += 1
         else:
@@ -338,7 +282,7 @@ class AsyncEngine:
         self._commands.put(("continue" if continued else "add", kind, rid, input, params, stream, sink))
         return sink
 
-    async def _await(self, sink: _Sink) -> Any:
+    async def _await(self, sink: Sink) -> Any:
         try:
             return await sink.future
         except asyncio.CancelledError:
@@ -346,7 +290,7 @@ class AsyncEngine:
                 self._commands.put(("abort", sink.request_id, None))
             raise
 
-    def _deliver(self, batch: list[tuple[_Sink, Any, bool]]) -> None:
+    def _deliver(self, batch: list[tuple[Sink, Any, bool]]) -> None:
         for sink, item, final in batch:
             sink.put(item)
             if sink.bulk:
@@ -388,7 +332,7 @@ class AsyncEngine:
         if cmd[0] in ("abort", "release"):
             ok = self._loop_core.abort(cmd[1]) if cmd[0] == "abort" else self._engine.release(cmd[1])
             if cmd[2] is not None:
-                self._outbox.append((_Sink("", future=cmd[2]), ok, False))
+                self._outbox.append((Sink("", future=cmd[2]), ok, False))
             return
         op, kind, rid, input, params, stream, sink = cmd
         try:
@@ -415,8 +359,8 @@ class AsyncEngine:
             if cmd[0] in ("add", "continue"):
                 self._outbox.append((cmd[-1], err, True))
             elif cmd[0] in ("abort", "release") and cmd[2] is not None:
-                self._outbox.append((_Sink("", future=cmd[2]), False, False))
-        self._outbox.append((_Sink("", future=self._stopped), None, False))
+                self._outbox.append((Sink("", future=cmd[2]), False, False))
+        self._outbox.append((Sink("", future=self._stopped), None, False))
         with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed under us: nobody to tell
             self._flush()
 

@@ -19,8 +19,8 @@ always computed (its logits are needed).
 
 Held blocks: a finished generation that may be continued (`SamplingParams.hold_kv_s`, engine/continuation.py) keeps
 its named blocks pinned under its id until a deadline, so nothing evicts them meanwhile; its continuation (a request
-under the same id) drops the hold once it has matched the blocks itself, and `release_hold` drops one nobody will
-continue. Holds are bounded: past the deadline, or as soon as serving work finds too few free blocks (`reclaim`:
+under the same id, or any request that matched every held block, as a continuation over HTTP does under a new id)
+drops the hold once it has matched the blocks itself, and `release_hold` drops one nobody will continue. Holds are bounded: past the deadline, or as soon as serving work finds too few free blocks (`reclaim`:
 oldest hold first, only when dropping frees enough; bulk work never takes them), they are released, and a late
 continuation finds what is still cached and recomputes the rest.
 """
@@ -119,6 +119,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.num_hit_tokens = 0  # prompt tokens served from the cache so far (first admissions only)
         self.holds: OrderedDict[str, tuple[list[int], float]] = OrderedDict()  # key -> (pinned blocks, deadline)
         self._deadlines: list[tuple[float, int, str]] = []  # a heap (deadline, serial, key); stale entries skipped
+        self._hold_tails: dict[int, str] = {}  # a hold's last block -> its key
         self._serial = 0
 
     def block_names(self, req: Request, num_blocks: int) -> list[bytes]:
@@ -152,7 +153,14 @@ class PrefixCachingBlockManager(BlockManager):
         if not req.num_preemptions:  # NOTE: a re-admitted victim finding its own blocks again is no new hit
             self.num_hit_tokens += req.num_computed_tokens
             req.num_cached_tokens = req.num_computed_tokens
-        self._drop_hold(req.req_id)  # NOTE: a continuation's held blocks are now its own
+        # NOTE: a continuation's held blocks are now its own: its id's hold, and any hold whose last block it matched
+        # (the name chain: then it matched all of them)
+        self._drop_hold(req.req_id)
+        if self._hold_tails:
+            for block in req.block_table:
+                key = self._hold_tails.get(block)
+                if key is not None:
+                    self._drop_hold(key)
         return req.num_computed_tokens
 
     def unmatch(self, req: Request) -> None:
@@ -190,6 +198,7 @@ class PrefixCachingBlockManager(BlockManager):
             blocks.append(block)
         if blocks:
             self.holds[key] = (blocks, until)
+            self._hold_tails[blocks[-1]] = key
             self._serial += 1
             heapq.heappush(self._deadlines, (until, self._serial, key))
 
@@ -220,6 +229,8 @@ class PrefixCachingBlockManager(BlockManager):
 
     def _drop_hold(self, key: str) -> None:
         blocks, _ = self.holds.pop(key, ([], 0.0))
+        if blocks and self._hold_tails.get(blocks[-1]) == key:
+            del self._hold_tails[blocks[-1]]
         for block in reversed(blocks):
             self._release(block)
 
