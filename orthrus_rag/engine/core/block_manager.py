@@ -217,8 +217,10 @@ class PrefixCachingBlockManager(BlockManager):
         return found
 
     def reclaim(self, req: Request, num_new_tokens: int) -> None:
+        if not self.holds:  # NOTE: first: this runs for every scheduled serving request of every step
+            return
         short = self.num_blocks_needed(req, num_new_tokens) - len(self.free_blocks)
-        if short <= 0 or not self.holds:
+        if short <= 0:
             return
         # NOTE: a held block another request also uses frees nothing when its hold goes
         freeable = sum(1 for blocks, _ in self.holds.values() for b in blocks if self.ref_counts[b] == 1)
