@@ -216,13 +216,13 @@ class Method:
             if len(titles) > self.k:  # NOTE: a method that gathers passages over its steps (IRCoT): all it read
                 rec.recall["recall@used"] = recall_at_k(titles, rec.supporting_titles, len(titles))
 
-    async def _guarded(self, index: int, ex: QAExample) -> QARecord:
+    async def answer_recorded(self, index: int, ex: QAExample, on_iteration: OnIteration | None = None) -> QARecord:
         """One question's record; a failure of this question (bad input, a failed request, the timeout) is
         recorded in it. A failure of the serving system as a whole propagates and stops the run."""
         rec = _new_record(ex)
         rec.index = index
         try:
-            await asyncio.wait_for(self._answer_into(rec, ex), self.question_timeout_s)
+            await asyncio.wait_for(self._answer_into(rec, ex, on_iteration), self.question_timeout_s)
         except asyncio.TimeoutError:  # NOTE: wait_for cancelled the question: its engine requests were aborted
             logger.warning("question %s timed out after %g s", ex.id, self.question_timeout_s)
             rec.error = (f"TimeoutError: no answer within {self.question_timeout_s:g} s "
@@ -248,7 +248,7 @@ class Method:
                 item = next(source, None)
                 if item is None:
                     return
-                pending.add(asyncio.ensure_future(self._guarded(*item)))
+                pending.add(asyncio.ensure_future(self.answer_recorded(*item)))
 
         try:
             refill()
@@ -256,7 +256,7 @@ class Method:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 pending.difference_update(done)
                 for task in sorted(done, key=lambda t: -1 if t.exception() else t.result().index):
-                    yield task.result()  # NOTE: raises a failure of the serving system (see _guarded)
+                    yield task.result()  # NOTE: raises a failure of the serving system (see answer_recorded)
                 refill()
         finally:
             for task in pending:

@@ -135,7 +135,8 @@ class SearchR1(Method):
 
     def __init__(self, client: EngineClient, retriever: Retriever, k: int = 3, max_searches: int = 4,
                  step_tokens: int = 128, tags: str = "search_r1", constrain_format: bool = False,
-                 continuation: bool = True, min_searches: int = 0, sampling_params: SamplingParams | None = None, chat_template: Any = None,
+                 continuation: bool = True, min_searches: int = 0, sampling_params: SamplingParams | None = None,
+                 chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
                  question_timeout_s: float | None = None, answer_format: str = "free") -> None:
         if retriever is None:

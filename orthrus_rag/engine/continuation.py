@@ -4,9 +4,10 @@ at `</search>`, the passages are appended, it reasons on), a chat's next turn, I
 A generation asks for it with `SamplingParams.hold_kv_s`. When it finishes, the engine remembers its tokens (prompt
 and output, here) and the block manager pins its cached blocks until the deadline (engine/core/block_manager.py).
 `Engine.continue_(request_id, appended)` then queues a request over prompt + output + appended under the same id
-(which drops the hold once admitted): its prefix comes from the held blocks, so it computes only the last partial block and the appended tokens, and its
-greedy tokens are those of a fresh request over the whole sequence. Past the deadline, or when running requests
-needed the blocks, the continuation still runs: it takes what the prefix cache kept and recomputes the rest.
+(which drops the hold once admitted): its prefix comes from the held blocks, so it computes only the last partial
+block and the appended tokens, and its greedy tokens are those of a fresh request over the whole sequence. Past the
+deadline, or when running requests needed the blocks, the continuation still runs: it takes what the prefix cache
+kept and recomputes the rest.
 
 The records are tokens only and bounded (the `MAX_RECORDS` most recent, `MAX_RECORD_TOKENS` tokens in all); the KV
 they point to is bounded by the hold deadlines and by the cache itself. A round under the same id that is not
@@ -68,9 +69,6 @@ class Continuations:
             raise ValueError(f"no finished generation {request_id!r} to continue: it is unknown, did not set "
                              f"SamplingParams.hold_kv_s, was aborted, or is older than the last {self.max_records}")
         return record
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._records
 
     def __len__(self) -> int:
         return len(self._records)

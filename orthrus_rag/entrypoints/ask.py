@@ -108,23 +108,6 @@ def ask(cfg: Any, question: str | None, stdin: TextIO | None = None, out: TextIO
     return asyncio.run(_answer_all(method, client, None if question is None else [question], stdin, out))
 
 
-async def _answer(method: Any, ex: QAExample, out: TextIO) -> QARecord:
-    """One question's record; a failure of the question itself (too long for the model, a timeout) is recorded in
-    it, as a run records it, and the prompt goes on. A failure of the serving system stops `ask`."""
-    from orthrus_rag.pipelines.method import _is_fatal
-
-    try:
-        return await asyncio.wait_for(method.answer(ex, lambda step: show_step(step, out)), method.question_timeout_s)
-    except asyncio.TimeoutError:
-        error = f"TimeoutError: no answer within {method.question_timeout_s:g} s (pipeline.question_timeout_s)"
-    except (ValueError, RuntimeError) as exc:
-        if _is_fatal(exc):
-            raise
-        error = f"{type(exc).__name__}: {exc}"
-    out.write("\n")
-    return QARecord(ex.id, ex.question, [], None, [], error=error)
-
-
 async def _answer_all(method: Any, client: Any, given: list[str] | None, stdin: TextIO, out: TextIO) -> int:
     """Each question in turn; the client is closed on this loop (the one it is bound to) when they are done."""
     code, n = 0, 0
@@ -145,7 +128,12 @@ async def _answer_all(method: Any, client: Any, given: list[str] | None, stdin: 
                 if not question:
                     continue
             n += 1
-            rec = await _answer(method, QAExample(f"ask-{n}", question, []), out)
+            # NOTE: as a run records a question: its own failure (too long, a timeout) is in the record and the
+            # prompt goes on; a failure of the serving system stops `ask`
+            rec = await method.answer_recorded(n, QAExample(f"ask-{n}", question, []),
+                                               lambda step: show_step(step, out))
+            if rec.error is not None:
+                out.write("\n")
             show_answer(rec, out)
             code = max(code, 1 if rec.error is not None else 0)
     finally:

@@ -8,8 +8,9 @@ name and this block's token ids, so a name stands for the whole sequence up to t
 block is registered under its name; a new prompt that starts with the same tokens takes those blocks (reference
 counted) and starts computing after them. So a request whose prompt is an earlier request's prompt and output (a
 chat's next turn, a search round continuing a reasoning chain) computes only the tokens after them, and a request
-re-admitted after preemption finds its own generated blocks again. Freed blocks keep their content and name until a new allocation needs them: blocks with
-no name are reused first, then named ones least recently freed first (vLLM's policy). RAG prompts share long
+re-admitted after preemption finds its own generated blocks again. Freed blocks keep their content and name until a
+new allocation needs them: blocks with no name are reused first, then named ones least recently freed first (vLLM's
+policy). RAG prompts share long
 prefixes (instructions, few-shot demonstrations), so this skips most of their prompt work.
 
 Only generation requests take part: an embedding's final chunk writes no KV at all. A generation under a LoRA adapter
@@ -20,9 +21,10 @@ always computed (its logits are needed).
 Held blocks: a finished generation that may be continued (`SamplingParams.hold_kv_s`, engine/continuation.py) keeps
 its named blocks pinned under its id until a deadline, so nothing evicts them meanwhile; its continuation (a request
 under the same id, or any request that matched every held block, as a continuation over HTTP does under a new id)
-drops the hold once it has matched the blocks itself, and `release_hold` drops one nobody will continue. Holds are bounded: past the deadline, or as soon as serving work finds too few free blocks (`reclaim`:
-oldest hold first, only when dropping frees enough; bulk work never takes them), they are released, and a late
-continuation finds what is still cached and recomputes the rest.
+drops the hold once it has matched the blocks itself, and `release_hold` drops one nobody will continue. Holds are
+bounded: past the deadline, or as soon as serving work finds too few free blocks (`reclaim`: oldest hold first, only
+when dropping frees enough; bulk work never takes them), they are released, and a late continuation finds what is
+still cached and recomputes the rest.
 """
 
 from __future__ import annotations

@@ -125,7 +125,8 @@ class Documents:
         empty = [i for i, q in enumerate(body.queries) if not q.strip()]
         if empty:
             raise OpenAIError(400, f"queries {empty[:10]} are empty", param="queries", code="empty_query")
-        results = await self._guard(self.require().abatch_search(body.queries, body.topk or DEFAULT_RETRIEVE_K), disconnected)
+        k = body.topk or DEFAULT_RETRIEVE_K
+        results = await self._guard(self.require().abatch_search(body.queries, k), disconnected)
         if body.return_scores:
             return {"result": [[{"document": _search_r1_document(p), "score": score} for p, score in hits]
                                for hits in results]}

@@ -127,12 +127,8 @@ def _usage(outs: list[GenerationOutput], prompt_tokens: int, cached: int | None 
 # ---- chat ------------------------------------------------------------------------------------------------
 def chat_prompt(service: OpenAIService, req: ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, as token ids."""
-    tok = service.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise bad_request(f"{service.models.generation} has no chat template; use /v1/completions", "messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return service.chat_tokens([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                                for m in req.messages])
 
 
 async def _chat_params(service: OpenAIService, req: ChatCompletionRequest) -> list:

@@ -148,8 +148,7 @@ class Responses:
         for name in req.include or []:
             if name != RESULTS_INCLUDE:
                 raise bad_request(f"include {name!r} is not supported (only {RESULTS_INCLUDE})", "include")
-        if not getattr(self.service.tokenizer, "chat_template", None):
-            raise bad_request(f"{model} has no chat template; use /v1/completions", "model")
+        self.service.require_chat_template("model")
         params = self.service.sampling_params(req.max_output_tokens, req.temperature, req.top_p, [], None, 0,
                                               adapter=adapter)
         return params, messages, tool
@@ -166,9 +165,7 @@ class Responses:
         return [], "failed"
 
     def _prompt(self, messages: list[dict[str, str]], hits: list[Hit]) -> list[int]:
-        tok = self.service.tokenizer
-        text = tok.apply_chat_template(_with_passages(messages, hits), tokenize=False, add_generation_prompt=True)
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        return self.service.chat_tokens(_with_passages(messages, hits), "input")
 
     def _search_item(self, item_id: str, query: str, hits: list[Hit], status: str,
                      req: ResponsesRequest) -> dict[str, Any]:

@@ -142,6 +142,18 @@ class OpenAIService:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     # ---- generation -----------------------------------------------------------------------------------------
+    def require_chat_template(self, param: str = "messages") -> None:
+        """A 400 (naming `param`) when the model has no chat template to render messages with."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(f"{self.models.generation} has no chat template; use /v1/completions", param)
+
+    def chat_tokens(self, messages: list[dict[str, str]], param: str = "messages") -> list[int]:
+        """`messages` ({"role", "content"}) through the model's chat template, generation prompt added, as token
+        ids: what chat completions and responses send the engine."""
+        self.require_chat_template(param)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def sampling_params(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
                         stop: list[str], seed: int | None, index: int, logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None, adapter: str | None = None,
