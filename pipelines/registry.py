@@ -11,7 +11,7 @@ PIPELINES = ("iter_retgen", "standard_rag", "no_retrieval", "ircot", "flare", "s
 
 def make_method(name: str, client: Any, retriever: Any, **options: Any) -> Any:  # -> Method
     """The method `name` over `client` and `retriever`; `options`: the shared settings (k, sampling_params,
-    chat_template, max_concurrency, question_timeout_s, answer_format) and the method's own (iterations;
+    chat_template, max_concurrency, question_timeout_s, answer_format, prompt_style) and the method's own (iterations;
     max_steps, max_passages, step_tokens; threshold; max_follow_ups; max_searches, tags, constrain_format,
     continuation). An option the method does not take is a
     TypeError naming it."""

@@ -129,7 +129,8 @@ class SearchR1(Method):
     round follows the protocol (structured outputs); `min_searches`: under it, the rounds that must search before an
     answer; `continuation`: continue each round with its KV kept where the
     client can (else re-submit the text). Needs a retriever; the answer is the answer tags' content, so
-    `answer_format` stays free."""
+    `answer_format` stays free. `prompt_style=flashrag` leaves it as it is: the tags are a trained protocol, and
+    FlashRAG 0.1.2 has no such method."""
 
     name = "search_r1"
 
@@ -138,12 +139,13 @@ class SearchR1(Method):
                  continuation: bool = True, min_searches: int = 0, sampling_params: SamplingParams | None = None,
                  chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
-                 question_timeout_s: float | None = None, answer_format: str = "free") -> None:
+                 question_timeout_s: float | None = None, answer_format: str = "free",
+                 prompt_style: str = "native") -> None:
         if retriever is None:
             raise ValueError("search_r1 retrieves when the model asks: it needs a retriever")
         check_search_r1(max_searches, step_tokens, tags, answer_format, min_searches, constrain_format)
         super().__init__(client, retriever, k, sampling_params, chat_template, max_concurrency, recall_ks,
-                         question_timeout_s, answer_format)
+                         question_timeout_s, answer_format, prompt_style)
         self.max_searches, self.tags = max_searches, TAGS[tags]
         self.continuation = continuation and self.can_continue
         stop = [*(self.sampling_params.stop or []), self.tags.search[1], self.tags.answer[1]]

@@ -12,6 +12,9 @@ goes back into the transcript as "Intermediate answer: ...". The chain ends when
 follow-up: every question of a multi-hop set needs one, and a small model answers at once otherwise (SmolLM2-135M
 wrote "The answer is yes." for all 40 2Wiki questions and retrieved for none; docs/benchmarks/methods.md). Off, the
 model decides after "Are follow up questions needed here:", as in Press et al.
+
+`prompt_style=flashrag` leaves Self-Ask as it is: it keeps this module's prompts and answer parsing, since FlashRAG's
+Self-Ask exemplars are not reproduced here.
 """
 
 from __future__ import annotations
@@ -85,12 +88,12 @@ class SelfAsk(Method):
                  step_tokens: int = 48, sampling_params: SamplingParams | None = None, chat_template: Any = None,
                  max_concurrency: int | None = None, recall_ks: Sequence[int] = (2, 5),
                  question_timeout_s: float | None = None, answer_format: str = "free",
-                 force_follow_up: bool = True) -> None:
+                 force_follow_up: bool = True, prompt_style: str = "native") -> None:
         if retriever is None:
             raise ValueError("self_ask answers its follow-ups from retrieved passages: it needs a retriever")
         check_self_ask(max_follow_ups, step_tokens)
         super().__init__(client, retriever, k, sampling_params, chat_template, max_concurrency, recall_ks,
-                         question_timeout_s, answer_format)
+                         question_timeout_s, answer_format, prompt_style)
         self.max_follow_ups = max_follow_ups
         self.force_follow_up = force_follow_up
         stop = list(self.sampling_params.stop or [])

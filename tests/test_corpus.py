@@ -43,6 +43,15 @@ def test_flashrag_jsonl_reads_contents_and_title_text(tmp_path: Path, gz: bool) 
     assert [p.id for p in iter_corpus(conf(kind="jsonl", path=str(path), limit=2))] == ["0", "1"]
 
 
+def test_contents_repeating_the_title_field_loses_its_title_line(tmp_path: Path) -> None:
+    """A row with `title` and FlashRAG's `contents` ("title\ntext"): the title line is not read as text; a
+    first line that is not the title stays."""
+    rows = [{"id": "a", "title": "Delta", "contents": "\"Delta\"\nDelta is a port."},
+            {"id": "b", "title": "Epsilon", "contents": "Intro\nEpsilon is a lake."}]
+    got = list(iter_corpus(conf(kind="jsonl", path=str(write_jsonl(tmp_path / "c.jsonl", rows)))))
+    assert got == [Passage("a", "Delta", "Delta is a port."), Passage("b", "Epsilon", "Intro\nEpsilon is a lake.")]
+
+
 def test_jsonl_renamed_fields_and_missing_ids(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [{"body": "one two", "name": "T"}, {"body": "three", "name": "U"}])
     passages = list(iter_corpus(conf(kind="jsonl", path=str(path), text_field="body", title_field="name")))

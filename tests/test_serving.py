@@ -83,6 +83,20 @@ def test_chat_stop_and_max_completion_tokens(served, client):
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_chat_takes_flashrags_flare_request(served, client):
+    """FlashRAG's FLARE over an OpenAI-compatible server: 22 one-character stops (OpenAI and vLLM take 4) and
+    logprobs=True; the scores it reads are the content logprobs. Past the bound, a 400 names it."""
+    stops = list("!@#$%^&*()\n\n)(*&^%$#@!")
+    out = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=6, temperature=0,
+                                         stop=stops, logprobs=True)
+    choice = out.choices[0]
+    assert not any(s in choice.message.content for s in stops)
+    assert len(choice.logprobs.content) == out.usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="stop sequences"):
+        client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=2,
+                                       stop=[f"s{i}" for i in range(65)])
+
+
 def test_streaming_chat_equals_the_whole_answer(served, client):
     kw = dict(model=served.model, messages=CHAT, max_tokens=8, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0].message.content

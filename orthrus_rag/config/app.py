@@ -102,6 +102,10 @@ class PipelineConf:
     # how the final iteration writes its answer: free | constrained ("... So the answer is X." forced by a
     # grammar) | json ({"answer": ...}); see pipelines/answers.py
     answer_format: str = "free"
+    # whose prompts and answer extraction: native | flashrag (FlashRAG 0.1.2's for standard_rag, iter_retgen,
+    # no_retrieval, ircot and flare, to compare scores with FlashRAG's; needs answer_format=free; self_ask and
+    # search_r1 keep their own); see pipelines/flashrag_prompts.py
+    prompt_style: str = "native"
     # the LoRA adapter every generation runs under (a name in model.adapters); None: the base model
     generation_adapter: str | None = None
     # ircot / flare: reasoning sentences at most; ircot: passages the prompt holds at most; ircot / flare /

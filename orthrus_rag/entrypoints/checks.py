@@ -21,6 +21,7 @@ def validate(cfg: Any) -> None:
     """Check values that the schema's types cannot, before anything heavy happens."""
     from orthrus_rag.data.loaders import DATASETS
     from orthrus_rag.pipelines.answers import check_answer_format
+    from orthrus_rag.pipelines.flashrag_prompts import check_prompt_style
     from orthrus_rag.pipelines.method import check_settings
     from orthrus_rag.pipelines.registry import PIPELINES
     from orthrus_rag.retrievers.faiss_index import IndexSpec
@@ -53,6 +54,7 @@ def validate(cfg: Any) -> None:
     owned("pipeline", lambda: check_settings(iterations=p.iterations, max_concurrency=p.max_concurrency,
                                              question_timeout_s=p.question_timeout_s), keyed=True)
     owned("pipeline", lambda: check_answer_format(p.answer_format))
+    owned("pipeline", lambda: check_prompt_style(p.prompt_style, p.answer_format))
     if p.name in ("ircot", "flare", "self_ask", "search_r1"):
         from orthrus_rag.pipelines.flare import check_flare
         from orthrus_rag.pipelines.ircot import check_ircot

@@ -218,7 +218,7 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method
                        sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
                                                       adapter=p.generation_adapter),
                        max_concurrency=concurrency, question_timeout_s=p.question_timeout_s,
-                       answer_format=p.answer_format, **own)
+                       answer_format=p.answer_format, prompt_style=p.prompt_style, **own)
 
 
 def _iterations(cfg: Any) -> int:
@@ -239,6 +239,7 @@ def run_labels(cfg: Any, client: Any, max_concurrency: int) -> dict[str, Any]:
             "pipeline": cfg.pipeline.name, "iterations": _iterations(cfg), "retriever": cfg.retriever.kind,
             "index_type": cfg.retriever.index_type,
             "k": cfg.retriever.k, "max_concurrency": max_concurrency, "answer_format": cfg.pipeline.answer_format,
+            "prompt_style": cfg.pipeline.prompt_style,
             "generation_adapter": cfg.pipeline.generation_adapter, "retriever_adapter": cfg.retriever.adapter}
 
 

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_INPUTS = 2048  # per request, as OpenAI's embeddings endpoint
 MAX_TEXT_CHARS = 1_000_000  # a longer string cannot fit any model here; refuse before tokenizing it
 MAX_N = 16
-MAX_STOP = 4
+# OpenAI and vLLM take 4 stop sequences; FlashRAG's FLARE sends 22 one-character ones through its OpenAI client:
+# this server takes them, still bounded (each is matched against every step's text)
+MAX_STOP = 64
 MAX_STOP_TOKEN_IDS = 64
 
 Text = str

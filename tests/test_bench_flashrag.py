@@ -1,0 +1,123 @@
+"""The FlashRAG side-by-side benchmark's own parts, without FlashRAG (it lives in the peers venv): the files the peer
+writes for FlashRAG (its dataset and corpus shapes, the corpus read back here as the same passages), the per-question
+meter's attribution, and the benchmark's scoring, pairing, failure reasons and measured child processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from orthrus_rag.config.app import CorpusConf
+from orthrus_rag.data.corpus import iter_corpus
+from orthrus_rag.data.loaders import build_corpus, load_qa
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "peers"))
+sys.path.insert(0, str(ROOT / "scripts"))
+pytestmark = pytest.mark.bench  # a benchmark peer, not the product (make test-bench)
+
+import bench_flashrag  # noqa: E402
+import flashrag_peer  # noqa: E402
+
+
+def two_wiki(path: Path, n: int) -> Path:
+    rows = [{"_id": f"q{i}", "question": f"Who directed film {i}?", "answer": f"Director {i}", "type": "compositional",
+             "supporting_facts": [[f"Film {i}", 0]],
+             "context": [[f"Film {i}", [f"Film {i} is a film.", f" It was directed by Director {i}."]],
+                         ["Shared", ["A paragraph every question has."]]]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prepare_writes_flashrags_dataset_and_corpus(tmp_path: Path) -> None:
+    questions = two_wiki(tmp_path / "dev.jsonl", 3)
+    counts = flashrag_peer.prepare(str(questions), 2, tmp_path / "w")
+    assert counts == {"questions": 2, "passages": 4}  # three films and the shared paragraph once: every question's
+    data = [json.loads(line) for line in open(tmp_path / "w" / "data" / "2wiki" / "dev.jsonl")]
+    assert [d["id"] for d in data] == ["q0", "q1"]
+    assert set(data[0]) == {"id", "question", "golden_answers", "metadata"}
+    assert data[0]["golden_answers"] == ["Director 0"] and data[0]["metadata"]["type"] == "compositional"
+    corpus = [json.loads(line) for line in open(tmp_path / "w" / "corpus.jsonl")]
+    assert all(set(row) == {"id", "contents"} for row in corpus)
+    assert corpus[0]["contents"] == "Film 0\nFilm 0 is a film. It was directed by Director 0."
+    # the same passages as a run over the questions' contexts searches
+    read = list(iter_corpus(CorpusConf(kind="jsonl", path=str(tmp_path / "w" / "corpus.jsonl"))))
+    assert read == build_corpus(load_qa("2wiki", questions))
+
+
+def test_meter_attributes_batch_calls_by_position_and_item_calls_to_the_item() -> None:
+    meter = flashrag_peer.Meter(3, lambda text: len(text.split()))
+
+    class Batchy:  # FlashRAG's IterativePipeline: one call over every question
+        retriever = SimpleNamespace(search=lambda q: [q], batch_search=lambda qs: [[q] for q in qs])
+        generator = SimpleNamespace(generate=lambda prompts: ["a b", "c", "d e f"])
+
+    batch = Batchy()
+    meter.wrap(batch)
+    batch.retriever.batch_search(["x", "y", "z"])
+    batch.generator.generate(["p", "q", "r"])
+    assert meter.retrievals == [1, 1, 1] and meter.tokens == [2, 1, 3]
+
+    meter = flashrag_peer.Meter(2, lambda text: len(text.split()))
+
+    class Itemwise:  # FLARE / IRCoT / Self-Ask: run_item per question, scores returned beside the texts
+        retriever = SimpleNamespace(search=lambda q: [q], batch_search=lambda qs: [])
+        generator = SimpleNamespace(generate=lambda prompt, **k: (["one two three"], [[0.9, 0.8, 0.7]]))
+
+        def run_item(self, item: str) -> None:
+            self.retriever.search(item)
+            self.generator.generate(item, return_scores=True)
+            if item == "second":
+                self.retriever.search(item)
+
+    item = Itemwise()
+    meter.wrap(item)
+    item.run_item("first")
+    item.run_item("second")
+    assert meter.retrievals == [1, 2] and meter.tokens == [3, 3]
+    assert all(t is not None and t >= 0 for t in meter.latency) and meter.current is None
+
+
+def test_scores_rows_and_pairs_per_question() -> None:
+    result = {"records": [
+        {"id": "a", "question": "qa", "golden_answers": ["Paris"], "prediction": "Paris", "retrievals": 1,
+         "generated_tokens": 4, "latency_s": 1.0},
+        {"id": "b", "question": "qb", "golden_answers": ["Rome"], "prediction": "It is Rome.", "retrievals": 3,
+         "generated_tokens": 6, "latency_s": 3.0}]}
+    theirs, retrievals = bench_flashrag.flashrag_records(result)
+    assert retrievals == [1, 3]
+    assert (theirs["a"].em, theirs["b"].em, theirs["b"].acc) == (1.0, 0.0, 1.0)
+    row = bench_flashrag.row("flashrag-hf", "standard", list(theirs.values()), 4.0, 2.0)
+    assert row["qps"] == 0.5 and row["em"] == 0.5 and row["generated_tokens_per_question"] == 5.0
+    assert 2.9 < row["p99_s"] <= 3.0
+    ours, _ = bench_flashrag.flashrag_records({"records": [dict(r, prediction="Rome") for r in result["records"]]})
+    pair = bench_flashrag.paired("standard", ours, theirs, "flashrag-hf")
+    assert pair["questions"] == 2 and pair["identical"] == 0
+    assert pair["em"]["flashrag"] == 0.5 and pair["em"]["orthrus"] == 0.5 and pair["em"]["diff"] == 0.0
+    text = bench_flashrag.table({"rows": [row]})
+    assert "| standard | flashrag-hf | 2 | 0.500 |" in text
+
+
+def test_measured_child_and_its_failure_reason(tmp_path: Path) -> None:
+    wall, rss = bench_flashrag.measured([sys.executable, "-c", "x = bytearray(50 << 20)"], tmp_path / "ok.log")
+    assert wall > 0 and rss >= 50
+    with pytest.raises(bench_flashrag.RunFailed) as err:
+        bench_flashrag.measured([sys.executable, "-c", "print('step 1'); raise ValueError('stop sequences: 22 > 4')"],
+                                tmp_path / "bad.log")
+    assert err.value.reason == "ValueError: stop sequences: 22 > 4"
+
+
+def test_copy_corpus_takes_the_first_passages_of_a_gzipped_corpus(tmp_path: Path) -> None:
+    import gzip
+
+    source = tmp_path / "big.jsonl.gz"
+    with gzip.open(source, "wt", encoding="utf-8") as f:
+        for i in range(5):
+            f.write(json.dumps({"id": str(i), "contents": f"T{i}\nText {i}."}) + "\n")
+    work = bench_flashrag.copy_corpus(source, tmp_path / "w", 3)
+    rows = [json.loads(line) for line in open(work / "corpus.jsonl")]
+    assert [r["id"] for r in rows] == ["0", "1", "2"]
