@@ -2,9 +2,9 @@
 
 from orthrus_rag.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from orthrus_rag.engine.engine import Engine
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, ScoreOutput
+from orthrus_rag.params import PoolingParams, RerankParams, SamplingParams
 
 __all__ = ["CacheConfig", "EmbeddingOutput", "Engine", "EngineConfig", "GenerationOutput", "ModelConfig",
-           "PoolingParams", "SamplingParams", "SchedulerConfig"]
+           "PoolingParams", "RerankParams", "SamplingParams", "SchedulerConfig", "ScoreOutput"]
 __version__ = "0.1.0"

@@ -85,16 +85,28 @@ class HandoffOutput:
 class EmbeddingOutput:
     request_id: str
     prompt_token_ids: list[int]
-    embedding: torch.Tensor  # float32 [d] (or [n, d] for pooling="all" without a head)
+    # float32 [d] ([n, d] for pooling="all" without a head; a scored pair's: [1], its relevance)
+    embedding: torch.Tensor
     finish_reason: str | None = "stop"  # "error" when pooling failed (e.g. a caller's head raised)
     metrics: RequestMetrics | None = None
     finished: bool = True
     error: str | None = None
 
 
+@dataclass
+class ScoreOutput:
+    """A scored (query, document) pair (`AsyncEngine.score_pairs`): its relevance in [0, 1] and its length in the
+    reranker's tokens (what a server bills as usage)."""
+
+    request_id: str
+    score: float
+    num_tokens: int
+    metrics: RequestMetrics | None = None
+
+
 def error_output(kind: str, request_id: str, message: str) -> GenerationOutput | EmbeddingOutput:
     """The final output of a request that failed as a whole (its step raised): finish_reason "error"."""
-    if kind == "embed":
+    if kind != "generate":  # an embedding, or a scored pair (pooled as one)
         return EmbeddingOutput(request_id, [], torch.empty(0), "error", error=message)
     return GenerationOutput(request_id, [], [], message, "error")
 

@@ -192,7 +192,8 @@ class PoolingParams:
 
     `pooling`: mean | weighted_mean | cls | first | last | all.
     `weights`: caller-given per-token weights for `weighted_mean` (default: SGPT position weights t = 1..n).
-    `head`: deterministic function applied to the [n, d] hidden states at the end, for `all`.
+    `head`: deterministic function applied to the pooled result at the end, before normalisation (the [n, d]
+    hidden states for `all`, the [d] vector otherwise; e.g. a reranker's scoring head on the [CLS] or last row).
     `instruction`: text prefixed to the input (query instructions, e.g. e5's "query: ").
     `append_eos`: append the tokenizer's EOS before pooling (e5-mistral style `last` pooling); default: only
     for `last`.
@@ -238,12 +239,35 @@ class PoolingParams:
         if self.end_token is not None and not self.wants_eos:
             raise ValueError("end_token is the token appended for last pooling; it needs append_eos "
                              "(the default for pooling='last')")
-        if self.head is not None and self.pooling != "all":
-            raise ValueError("a head is only applied with pooling='all'")
 
     @property
     def wants_eos(self) -> bool:
         return self.append_eos if self.append_eos is not None else self.pooling == "last"
+
+MAX_RERANK_DOCUMENTS = 1000  # documents one rerank call scores (Cohere's limit)
+
+
+@dataclass(frozen=True)
+class RerankParams:
+    """How a (query, document) pair is scored (engine/rerankers.py).
+
+    `reranker`: a loaded reranker's name (`model.rerankers`); None: the first one loaded.
+    `instruction`: an LLM reranker's task line (Qwen3-Reranker's `<Instruct>`); None: its default. A cross-encoder
+    has none, and refuses one.
+    `truncate`: cut the document so the pair fits the reranker's maximum length (sentence-transformers and Cohere
+    do); False: a pair that does not fit is refused.
+    `priority`: as `PoolingParams.priority` (below 0 latency-critical, above 0 bulk).
+    """
+
+    reranker: str | None = None
+    instruction: str | None = None
+    truncate: bool = True
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.instruction is not None and not self.instruction.strip():
+            raise ValueError("a rerank instruction must not be empty; leave it out for the reranker's default")
+
 
 NO_ADAPTER = ""  # `PoolingParams.adapter` naming the bare backbone (e.g. to score tokens), past any encoder
 

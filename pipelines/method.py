@@ -27,6 +27,7 @@ from orthrus_rag.pipelines.answers import final_constraint
 from orthrus_rag.pipelines.evaluate import answer_scores, recall_at_k
 from orthrus_rag.pipelines.flashrag_prompts import check_prompt_style
 from orthrus_rag.pipelines.records import IterationRecord, QARecord
+from orthrus_rag.pipelines.rerank import Reranking
 from orthrus_rag.retrievers.kinds import Retriever
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,9 @@ class Method:
         # the final generation under the answer format's constraint (answers.py)
         self.answer_format = answer_format
         self.prompt_style = prompt_style
+        # a reranking stage between the retriever and the prompts (rerank.py; `make_method` attaches it): each
+        # retrieval scores its candidates and keeps the best `k`
+        self.reranker: Reranking | None = None
         constraint = final_constraint(answer_format, self.sampling_params.max_tokens)
         self.final_params = (self.sampling_params if constraint is None
                              else dataclasses.replace(self.sampling_params, structured_outputs=constraint))
@@ -148,10 +152,16 @@ class Method:
         return self.chat_template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def retrieve(self, query: str, k: int | None = None) -> tuple[Hits, float]:
-        """The top `k` (default `self.k`) passages for `query`, and the seconds it took (embedding and search)."""
+        """The top `k` (default `self.k`) passages for `query`, and the seconds it took (embedding and search, and
+        with a reranker the scoring of its candidates)."""
         t0 = time.perf_counter()
-        hits = await self.retriever.asearch(query, k or self.k) if self.retriever is not None else []
-        return hits, time.perf_counter() - t0
+        k = k or self.k
+        if self.retriever is None:
+            return [], time.perf_counter() - t0
+        if self.reranker is None:
+            return await self.retriever.asearch(query, k), time.perf_counter() - t0
+        hits = await self.retriever.asearch(query, max(k, self.reranker.candidates))
+        return await self.reranker.rerank(query, hits, k), time.perf_counter() - t0
 
     async def generate(self, prompt: str, params: SamplingParams | None = None,
                        request_id: str | None = None) -> tuple[Any, float]:

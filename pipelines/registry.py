@@ -11,10 +11,9 @@ PIPELINES = ("iter_retgen", "standard_rag", "no_retrieval", "ircot", "flare", "s
 
 def make_method(name: str, client: Any, retriever: Any, **options: Any) -> Any:  # -> Method
     """The method `name` over `client` and `retriever`; `options`: the shared settings (k, sampling_params,
-    chat_template, max_concurrency, question_timeout_s, answer_format, prompt_style) and the method's own (iterations;
-    max_steps, max_passages, step_tokens; threshold; max_follow_ups; max_searches, tags, constrain_format,
-    continuation). An option the method does not take is a
-    TypeError naming it."""
+    chat_template, max_concurrency, question_timeout_s, answer_format, prompt_style; reranker, a `Reranking`) and the
+    method's own (iterations; max_steps, max_passages, step_tokens; threshold; max_follow_ups; max_searches, tags,
+    constrain_format, continuation). An option the method does not take is a TypeError naming it."""
     from orthrus_rag.pipelines.flare import FLARE
     from orthrus_rag.pipelines.ircot import IRCoT
     from orthrus_rag.pipelines.iter_retgen import IterRetGen
@@ -29,4 +28,7 @@ def make_method(name: str, client: Any, retriever: Any, **options: Any) -> Any: 
         retriever = None
     kind = {"iter_retgen": IterRetGen, "standard_rag": IterRetGen, "no_retrieval": IterRetGen, "ircot": IRCoT,
             "flare": FLARE, "self_ask": SelfAsk, "search_r1": SearchR1}[name]
-    return kind(client, retriever, **options)
+    reranker = options.pop("reranker", None)
+    method = kind(client, retriever, **options)
+    method.reranker = reranker  # NOTE: every method retrieves through Method.retrieve, where the stage sits
+    return method

@@ -126,7 +126,7 @@ class EngineEmbedder(EmbedderMethods):
         if route != space.route(self.query_params):
             raise ValueError(f"documents embed on {route.name} but queries on "
                              f"{space.route(self.query_params).name}; both must use the same model and adapter")
-        if dimension is None and self.document_params.pooling != "all":  # NOTE: a head may change the width
+        if dimension is None and self.document_params.head is None:  # NOTE: a head may change the width
             dimension = space.dimension(route)
         if dimension is None:
             dimension = int(self._embed_sync(["dimension probe"], self.document_params).shape[1])

@@ -21,6 +21,13 @@ each FlashRAG setting is paired per question with `orthrus-rag run` (a bootstrap
 q/s is questions over the method's wall time (models loaded before); p99 is over per-question latencies.
 `python scripts/bench/report.py <results file>` redraws the figure.
 
+Each system x method is kept in `--work` as it finishes: `--stop-after-min M` starts no new one after M minutes,
+and `--resume` keeps what an earlier run measured on this machine (same CPU, ISA, cores, questions, limit and
+settings) and runs the rest, so a long run (200 questions: about three hours) can be split:
+
+    .venv/bin/python scripts/bench_flashrag.py --questions dev.jsonl --limit 200 --stop-after-min 120
+    .venv/bin/python scripts/bench_flashrag.py --questions dev.jsonl --limit 200 --resume --out results.json
+
 The index builds alone, on a larger corpus (any FlashRAG JSONL, e.g. the one `scripts/make_corpus.py` writes),
 added to an existing results file:
 
@@ -112,8 +119,11 @@ def copy_corpus(source: Path, work: Path, limit: int | None) -> Path:
 
 def index_builds(work: Path, peers_python: str) -> list[dict[str, Any]]:
     """FlashRAG's Index_Builder and `orthrus-rag index` on the same corpus file (`work/corpus.jsonl`), each in its
-    own process."""
-    rows = []
+    own process, each from an empty output folder (`orthrus-rag index` refuses to overwrite another corpus's build).
+    A builder that fails is a row with its error; the other's figures are kept."""
+    import shutil
+
+    rows: list[dict[str, Any]] = []
     corpus = work / "corpus.jsonl"
     passages = sum(1 for _ in open(corpus))
     for system, cmd in (
@@ -121,7 +131,13 @@ def index_builds(work: Path, peers_python: str) -> list[dict[str, Any]]:
         ("orthrus", [sys.executable, "-m", "orthrus_rag.entrypoints.cli", "index", "corpus=jsonl",
                      f"corpus.path={corpus}", f"run_dir={work / 'orthrus_index'}"]),
     ):
-        wall, rss = measured(cmd, work / f"index-{system}.log")
+        shutil.rmtree(work / f"{system}_index", ignore_errors=True)
+        try:
+            wall, rss = measured(cmd, work / f"index-{system}.log")
+        except RunFailed as exc:
+            logger.warning("index %s failed: %s", system, exc.reason)
+            rows.append({"system": system, "passages": passages, "error": exc.reason})
+            continue
         rows.append({"system": system, "passages": passages, "seconds": wall, "peak_rss_mib": rss,
                      "passages_per_s": passages / wall})
         logger.info("index %s: %d passages in %.1f s, peak %.0f MiB", system, passages, wall, rss)
@@ -185,6 +201,58 @@ def flashrag_records(result: dict[str, Any]) -> tuple[dict[str, QARecord], list[
         records[rec.id] = rec
         retrievals.append(r["retrievals"])
     return records, retrievals
+
+
+class Cells:
+    """Each system x method's measurement kept beside its outputs in `results/` as it finishes, so that a run stopped
+    part-way (`--stop-after-min`, or killed) goes on with `--resume` from where it was: only cells measured on this
+    machine for the same questions and limit are kept; a cell's records are read back from its outputs."""
+
+    def __init__(self, folder: Path, machine: dict[str, Any], limit: int, questions: str, resume: bool,
+                 settings: list[str] | None = None) -> None:
+        self.folder, self.resume = folder, resume
+        # NOTE: what else makes a cell (the run's own overrides, the peers' interpreter) is part of its key too
+        self.key = {"machine": machine, "limit": limit, "questions": str(Path(questions).resolve()),
+                    "settings": list(settings or [])}
+
+    def _file(self, name: str) -> Path:
+        return self.folder / f"{name}.cell.json"
+
+    def _kept(self, name: str) -> dict[str, Any] | None:
+        f = self._file(name)
+        if not self.resume or not f.is_file():
+            return None
+        cell = json.loads(f.read_text())
+        return cell if cell.get("key") == self.key else None
+
+    def done(self, system: str, method: str) -> bool:
+        return self._kept(f"{system}-{method}") is not None
+
+    def index(self, build: Any) -> list[dict[str, Any]]:
+        kept = self._kept("index")
+        if kept is not None:
+            logger.info("index builds: kept from the earlier run")
+            return kept["rows"]
+        rows = build()
+        self._file("index").write_text(json.dumps({"key": self.key, "rows": rows}))
+        return rows
+
+    def run(self, system: str, method: str, measure: Any) -> tuple[dict[str, QARecord], dict[str, Any]]:
+        name = f"{system}-{method}"
+        kept = self._kept(name)
+        if kept is not None:
+            logger.info("%s %s: kept from the earlier run", system, method)
+            return self._records(system, method, kept), kept["row"]
+        recs, row_ = measure()
+        self._file(name).write_text(json.dumps({"key": self.key, "row": row_}))
+        return recs, row_
+
+    def _records(self, system: str, method: str, cell: dict[str, Any]) -> dict[str, QARecord]:
+        if system == "orthrus":
+            from orthrus_rag.pipelines.compare import answered
+
+            return answered(self.folder.parent / "orthrus_runs" / method)
+        return flashrag_records(json.loads((self.folder / f"{system}-{method}.json").read_text()))[0]
 
 
 def run_flashrag(work: Path, peers_python: str, method: str, system: str, base: str | None,
@@ -292,6 +360,25 @@ def payload(data: dict[str, Any], command: list[str], png: str) -> dict[str, Any
     }
 
 
+def add_index_corpus(results: dict[str, Any], corpus: str, limit: int | None, builds: list[dict[str, Any]],
+                     command: str) -> dict[str, Any]:
+    """A results file with one more corpus's index builds (`results.index_corpora`, smallest first): a corpus
+    measured again replaces its builds and its command; the others stay."""
+    data = results["results"]
+    corpora = data.pop("index_corpora", None) or ([data.pop("index_corpus")] if "index_corpus" in data else [])
+    corpora = [c for c in corpora if (c["corpus"], c["limit"]) != (corpus, limit)]
+    corpora.append({"corpus": corpus, "limit": limit, "builds": builds})
+    data["index_corpora"] = sorted(corpora, key=lambda c: c["builds"][0]["passages"] if c["builds"] else 0)
+    results["command"] = [c for c in results["command"] if _corpus_of(c) != corpus] + [command]
+    return results
+
+
+def _corpus_of(command: str) -> str | None:
+    """The corpus file a `--corpus` command builds (by name), or None."""
+    parts = command.split()
+    return Path(parts[parts.index("--corpus") + 1]).name if "--corpus" in parts[:-1] else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="write the results file here (docs/benchmarks/results/X.json draws img/X.png); with "
                          "--corpus, an existing results file gains that corpus's index builds")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep what an earlier run in --work measured on this machine with these questions (each "
+                         "system x method, and the index builds) and run only the rest")
+    ap.add_argument("--stop-after-min", type=float, default=None,
+                    help="start no new system x method after this many minutes; the rest are listed as incomplete "
+                         "and a --resume run finishes them")
     ap.add_argument("orthrus_overrides", nargs="*", help="more `orthrus-rag run` overrides")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -319,10 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                              args.peers_python)
         print(json.dumps(index, indent=1))
         if args.out is not None and args.out.is_file():  # NOTE: the larger corpus joins the side-by-side's file
-            results = json.loads(args.out.read_text())
-            results["results"]["index_corpus"] = {"corpus": args.corpus.name, "limit": args.corpus_limit,
-                                                  "builds": index}
-            results["command"] = [c for c in results["command"] if "--corpus" not in c] + [command]
+            results = add_index_corpus(json.loads(args.out.read_text()), args.corpus.name, args.corpus_limit, index,
+                                       command)
             args.out.write_text(json.dumps(results, indent=1))
         return 0
     if not args.questions:
@@ -341,21 +432,30 @@ def main(argv: list[str] | None = None) -> int:
                     str(args.limit), "--work", str(work)], check=True)
     result: dict[str, Any] = {"machine": machine(), "limit": args.limit,
                               "index": [], "rows": [], "paired": [],
-                              "failed": []}
+                              "failed": [], "incomplete": []}
+    cells = Cells(work / "results", result["machine"], args.limit, args.questions, args.resume,
+                  [*args.orthrus_overrides, str(Path(args.peers_python).resolve())])
     if not args.skip_index:
-        result["index"] = index_builds(work, args.peers_python)
+        result["index"] = cells.index(lambda: index_builds(work, args.peers_python))
     if not args.index_only:
+        deadline = None if args.stop_after_min is None else time.monotonic() + 60 * args.stop_after_min
         by: dict[tuple[str, str], dict[str, QARecord]] = {}
         for system in systems:
-            ctx = (server(system.split("-")[1], work, args.peers_python, args.port)
-                   if system in ("flashrag-vllm", "flashrag-orthrus") else contextlib.nullcontext((None, None)))
+            served = system in ("flashrag-vllm", "flashrag-orthrus")
+            todo = [m for m in methods if not cells.done(system, m)]  # NOTE: no server for cells kept from before
+            ctx = (server(system.split("-")[1], work, args.peers_python, args.port) if todo and served
+                   else contextlib.nullcontext((None, None)))
             with ctx as (base, model):
                 for method in methods:
+                    if not cells.done(system, method) and deadline is not None and time.monotonic() > deadline:
+                        logger.warning("--stop-after-min passed: %s %s left for a --resume run", system, method)
+                        result["incomplete"].append({"system": system, "method": method})
+                        continue
                     try:
-                        if system == "orthrus":
-                            recs, r = run_orthrus(work, args.questions, args.limit, method, args.orthrus_overrides)
-                        else:
-                            recs, r = run_flashrag(work, args.peers_python, method, system, base, model)
+                        recs, r = cells.run(system, method, lambda: (
+                            run_orthrus(work, args.questions, args.limit, method, args.orthrus_overrides)
+                            if system == "orthrus" else run_flashrag(work, args.peers_python, method, system, base,
+                                                                     model)))
                     except RunFailed as exc:  # NOTE: a system that cannot run a method is a result, not a stop
                         logger.warning("%s %s failed: %s", system, method, exc.reason)
                         result["failed"].append({"system": system, "method": method, "error": exc.reason})

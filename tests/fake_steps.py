@@ -60,7 +60,7 @@ def max_blocks_needed(req: Request, block_size: int) -> int:
 
 def encoder_cost(req: Request, cfg: SchedulerConfig) -> int:
     """Budget cost of a whole encoder request: its tokens weighted by `encoder_token_weight`."""
-    return max(1, math.ceil(req.num_tokens * cfg.encoder_token_weight))
+    return max(1, math.ceil(req.encoder_tokens * cfg.encoder_token_weight))
 
 
 def step_bound(reqs: Sequence[Request]) -> int:
@@ -242,9 +242,12 @@ def check_schedule(eng: FakeEngine, out: SchedulerOutput, before: _Before) -> No
     running_ids = {id(r) for r in eng.scheduler.running}
     preempted_ids = {id(r) for r in out.preempted}
 
-    # budget: decoder tokens plus weighted encoder tokens; a single oversized encoder request may run alone
-    cost = sum(s.num_new_tokens for s in out.scheduled) + sum(encoder_cost(r, cfg) for r in out.encoder)
-    lone_encoder = len(out.encoder) == 1 and not out.scheduled
+    # budget: decoder tokens plus weighted encoder tokens; a single oversized encoder request may overdraw it (alone,
+    # or beside the decoder tokens, which stay within it)
+    decoder = sum(s.num_new_tokens for s in out.scheduled)
+    cost = decoder + sum(encoder_cost(r, cfg) for r in out.encoder)
+    lone_encoder = (len(out.encoder) == 1 and encoder_cost(out.encoder[0], cfg) > cfg.max_num_batched_tokens
+                    and decoder <= cfg.max_num_batched_tokens)
     assert cost <= cfg.max_num_batched_tokens or lone_encoder, f"budget exceeded: {cost}"
     assert cost <= eng.scheduler.step_cap or lone_encoder, f"step budget exceeded: {cost}"
     assert len(out.scheduled) + len(out.encoder) <= cfg.max_num_seqs

@@ -121,3 +121,75 @@ def test_copy_corpus_takes_the_first_passages_of_a_gzipped_corpus(tmp_path: Path
     work = bench_flashrag.copy_corpus(source, tmp_path / "w", 3)
     rows = [json.loads(line) for line in open(work / "corpus.jsonl")]
     assert [r["id"] for r in rows] == ["0", "1", "2"]
+
+
+def test_cells_resume_only_what_this_machine_measured_for_these_questions(tmp_path: Path) -> None:
+    """A cell measured once is read back (row and records) by a --resume run on the same machine and questions; a
+    run without --resume, or on another machine, or with another limit, measures again."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    questions = two_wiki(tmp_path / "dev.jsonl", 2)
+    result = {"records": [{"id": "a", "question": "qa", "golden_answers": ["Paris"], "prediction": "Paris",
+                           "retrievals": 1, "generated_tokens": 4, "latency_s": 1.0}]}
+    (folder / "flashrag-hf-standard.json").write_text(json.dumps(result))
+    here = {"cpu": "X", "isa": "AVX2", "cores": 2}
+    calls = []
+
+    def measure():
+        calls.append(1)
+        recs, _ = bench_flashrag.flashrag_records(result)
+        return recs, bench_flashrag.row("flashrag-hf", "standard", list(recs.values()), 2.0, 1.0)
+
+    first = bench_flashrag.Cells(folder, here, 2, str(questions), resume=False)
+    assert not first.done("flashrag-hf", "standard")
+    _, row = first.run("flashrag-hf", "standard", measure)
+    again = bench_flashrag.Cells(folder, here, 2, str(questions), resume=True)
+    assert again.done("flashrag-hf", "standard")
+    recs, kept = again.run("flashrag-hf", "standard", measure)
+    assert kept == row and recs["a"].prediction == "Paris" and len(calls) == 1
+    for other in (bench_flashrag.Cells(folder, dict(here, isa="AMX"), 2, str(questions), resume=True),
+                  bench_flashrag.Cells(folder, here, 3, str(questions), resume=True),
+                  bench_flashrag.Cells(folder, here, 2, str(questions), resume=False)):
+        assert not other.done("flashrag-hf", "standard")
+    builds = [{"system": "flashrag", "seconds": 1.0}]
+    assert again.index(lambda: builds) == builds
+    assert again.index(lambda: pytest.fail("kept builds are not rebuilt")) == builds
+
+
+def test_index_corpora_accumulate_and_a_remeasured_one_replaces_its_builds() -> None:
+    results = {"command": ["python scripts/bench_flashrag.py --questions dev.jsonl --limit 40",
+                           "python scripts/bench_flashrag.py --corpus runs/corpus/c20k.jsonl --out r.json"],
+               "results": {"index_corpus": {"corpus": "c20k.jsonl", "limit": None,
+                                            "builds": [{"system": "flashrag", "passages": 20000, "seconds": 9.0}]}}}
+    big = [{"system": "flashrag", "passages": 200000, "seconds": 90.0}]
+    out = bench_flashrag.add_index_corpus(results, "c200k.jsonl.gz", None, big,
+                                          "python scripts/bench_flashrag.py --corpus runs/corpus/c200k.jsonl.gz")
+    assert [c["corpus"] for c in out["results"]["index_corpora"]] == ["c20k.jsonl", "c200k.jsonl.gz"]
+    assert "index_corpus" not in out["results"] and len(out["command"]) == 3
+    again = [{"system": "flashrag", "passages": 20000, "seconds": 8.0}]
+    out = bench_flashrag.add_index_corpus(out, "c20k.jsonl", None, again,
+                                          "python scripts/bench_flashrag.py --corpus runs/corpus/c20k.jsonl --out r")
+    assert [c["builds"][0]["seconds"] for c in out["results"]["index_corpora"]] == [8.0, 90.0]
+    assert sum("c20k" in c for c in out["command"]) == 1 and out["command"][0].endswith("--limit 40")
+
+
+def test_index_builds_start_empty_and_keep_one_builder_when_the_other_fails(tmp_path: Path, monkeypatch) -> None:
+    """A stale build of another corpus is cleared first; a builder that fails is recorded with its reason and the
+    other's figures are kept."""
+    (tmp_path / "corpus.jsonl").write_text('{"id": "0", "contents": "T\\nText."}\n')
+    (tmp_path / "orthrus_index").mkdir()
+    (tmp_path / "orthrus_index" / "stale").write_text("another corpus")
+    seen = []
+
+    def fake_measured(cmd, log):
+        seen.append((cmd[-1], (tmp_path / "orthrus_index" / "stale").exists()))
+        if "index" in cmd and "--work" in cmd:
+            log.write_text("Traceback\nMemoryError: killed\n")
+            raise bench_flashrag.RunFailed(log)
+        return 2.0, 100.0
+
+    monkeypatch.setattr(bench_flashrag, "measured", fake_measured)
+    rows = bench_flashrag.index_builds(tmp_path, sys.executable)
+    assert rows[0] == {"system": "flashrag", "passages": 1, "error": "MemoryError: killed"}
+    assert rows[1]["system"] == "orthrus" and rows[1]["seconds"] == 2.0 and rows[1]["passages_per_s"] == 0.5
+    assert seen[-1][1] is False  # the orthrus builder found its folder empty

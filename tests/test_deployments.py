@@ -115,7 +115,7 @@ def test_add_prefilled_rejects_kv_of_another_shape(engine):
 
 
 # ---- the multi-process deployments ------------------------------------------------------------------------------
-SPEC = engine_config(SMOL, **engine_overrides(num_blocks=64))
+SPEC = engine_config(SMOL, **engine_overrides(num_blocks=64, rerankers=["backbone"]))
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +167,24 @@ def test_a_rejected_submit_names_its_request_and_the_others_finish(dedicated):
             rejected.append(exc)
     assert finished == ["good"]
     assert [e.request_ids for e in rejected] == [("bad",)] and "prompt is empty" in str(rejected[0])
+
+
+def test_scored_pairs_run_in_the_pooling_worker(engine, dedicated):
+    """`dedicated` routes scoring to its embedding process (a scoring process beside the generation process): the
+    scores are the in-process engine's."""
+    import asyncio
+
+    from orthrus_rag.engine.clients.deployment_client import DeploymentClient
+
+    local = Engine(replace(engine.config, model=replace(engine.config.model, rerankers=["backbone"])),
+                   engine.runner.model, engine.tokenizer)
+    query, docs = "Who wrote Emma?", ["Emma is a novel by Jane Austen.", "The Nile flows north."]
+    client = DeploymentClient(dedicated, reranker_names=["backbone"])
+    try:
+        got = asyncio.run(client.score(query, docs))
+    finally:
+        client.shutdown(close_client=False)
+    assert got == pytest.approx(local.score(query, docs), abs=1e-5)
 
 
 def test_structured_outputs_return_what_the_engine_returns(engine, dedicated, disagg):

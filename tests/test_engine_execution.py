@@ -1,6 +1,6 @@
 """What the runner actually executes, and embeddings interrupted mid-chunk.
 
-The scheduler's intent (what `Engine.step` plans, `_planned_stats`) is not enough: these tests count the decoder forwards and
+The scheduler's intent (what `Engine.step` plans, `planned_stats`) is not enough: these tests count the decoder forwards and
 the rows each one carried, and check that an embedding preempted or aborted between its chunks gives the same
 vector or frees every block, in the sync engine and behind the async one.
 """

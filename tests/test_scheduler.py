@@ -188,6 +188,21 @@ def test_oversized_encoder_request_runs_alone() -> None:
     _check_completed(eng)
 
 
+def test_oversized_encoder_request_runs_beside_a_stream_of_decodes() -> None:
+    """An encoder request costing more than the whole budget is not starved by decodes that never leave a step
+    empty: it runs as the step's only encoder request beside them."""
+    eng = FakeEngine(_cfg(8, weight=1.0), num_blocks=16, block_size=4)
+    g = make_request("g", "generate", 2, 30)
+    eng.add(g)
+    eng.step()
+    x = make_request("x", "encoder", 50)
+    eng.add(x)
+    out = eng.step()
+    assert out.encoder == [x] and [s.req for s in out.scheduled] == [g]
+    eng.run([])
+    _check_completed(eng)
+
+
 def test_waiting_request_is_not_starved_by_arrivals() -> None:
     """A long prompt behind a stream of short generations still starts in arrival order and completes."""
     eng = FakeEngine(_cfg(16, seqs=4), num_blocks=12, block_size=4)

@@ -108,6 +108,10 @@ class PipelineConf:
     prompt_style: str = "native"
     # the LoRA adapter every generation runs under (a name in model.adapters); None: the base model
     generation_adapter: str | None = None
+    # a reranker (a name in model.rerankers, or "default": the first loaded) scoring each retrieval's retriever.k
+    # candidates, of which the best top_k reach the prompt; None: the retriever's top retriever.k as they come
+    reranker: str | None = None
+    top_k: int = 5
     # ircot / flare: reasoning sentences at most; ircot: passages the prompt holds at most; ircot / flare /
     # self_ask: tokens of one step's generation (a sentence, a follow-up question or its answer)
     max_steps: int = 5

@@ -28,14 +28,17 @@ def engine_config(model: str = "smollm2-135m-instruct", embedding_adapters: str 
                                                   embedding_model=embedding_model),
                              "cache": CacheConfig(), "scheduler": SchedulerConfig()}
     top: dict[str, Any] = {}
+    changes: dict[str, dict[str, Any]] = {name: {} for name in parts}
     for key, value in options.items():
         target = next((name for name, obj in parts.items() if key in {f.name for f in fields(obj)}), None)
         if target is not None:
-            parts[target] = replace(parts[target], **{key: value})
+            changes[target][key] = value
         elif key in EngineConfig.__dataclass_fields__ and key not in PARTS:
             top[key] = value
         else:
             raise ValueError(f"unknown engine option {key!r}")
+    # NOTE: a part's options replace together, so rules across them (a reranker naming an adapter) see them all
+    parts = {name: replace(obj, **changes[name]) if changes[name] else obj for name, obj in parts.items()}
     return _assembled(parts, **top)
 
 

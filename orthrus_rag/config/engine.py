@@ -29,6 +29,10 @@ class ModelConfig:
     adapters: dict[str, str] = field(default_factory=dict)
     adapter_kinds: dict[str, str] = field(default_factory=dict)
     embedding_model: str | None = None  # a separate bidirectional encoder (e.g. "all-minilm-l6-v2")
+    # rerankers that score (query, document) pairs in the same steps (engine/rerankers.py), by name: a BERT-family
+    # *ForSequenceClassification cross-encoder (folder, built-in name or hub id), or "backbone" / "backbone+ADAPTER"
+    # (the generation backbone's yes/no reading, under a loaded adapter or none); the first is the default
+    rerankers: list[str] = field(default_factory=list)
     # "auto": bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 / AMX: 3-4x fp32's GEMMs there),
     # float32 on other CPUs; norms, rotary, softmax, logits, sampling and pooling sums run in fp32 either way
     dtype: str = "auto"
@@ -64,6 +68,16 @@ class ModelConfig:
                 raise ValueError(f"adapter {name!r}: unknown kind {kind!r}; expected {', '.join(ADAPTER_KINDS)}")
         if any(not name for name in self.adapters):
             raise ValueError("an adapter needs a non-empty name")
+        # NOTE: one name given alone is one reranker, not its letters
+        self.rerankers = [self.rerankers] if isinstance(self.rerankers, str) else [str(r) for r in self.rerankers]
+        if any(not r.strip() for r in self.rerankers) or len(set(self.rerankers)) < len(self.rerankers):
+            raise ValueError(f"rerankers must be distinct, non-empty names; got {self.rerankers}")
+        loaded = self.loaded_adapters()
+        for r in self.rerankers:
+            base, plus, adapter = r.partition("+")
+            if base == "backbone" and plus and adapter not in loaded:
+                raise ValueError(f"reranker {r!r} names adapter {adapter!r}, which is not loaded (model.adapters or "
+                                 f"model.embedding_adapters: {', '.join(loaded) or 'none'})")
 
     def adapter_kind(self, name: str) -> str:
         """What a named adapter may do: "generate", "embed" or "both" (a plain PEFT folder may do both)."""

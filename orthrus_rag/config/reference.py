@@ -31,7 +31,8 @@ CONF_DIR = _conf_dir()
 GROUP_SUMMARY = {
     "dataset": "the questions a run asks",
     "corpus": "what the retriever searches, independent of the dataset",
-    "model": "which weights run: the generation model, a separate encoder or embedding adapters, and the kernels",
+    "model": "which weights run: the generation model, a separate encoder or embedding adapters, rerankers, and the "
+             "kernels",
     "cache": "the paged KV cache",
     "scheduler": "the policy that shares each engine step, its token budget and latency targets",
     "deploy": "how the engine runs: in process, as two worker processes (the baselines) or on Ray Serve",

@@ -25,8 +25,8 @@ from orthrus_rag.engine.engine import Engine
 from orthrus_rag.engine.executor.plan import ExecutionPlan
 from orthrus_rag.engine.loop import EngineLoop, StepFailed
 from orthrus_rag.machine import release_openmp_pool
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, StepStats
-from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams, is_bulk
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, ScoreOutput, StepStats
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, RerankParams, SamplingParams, is_bulk
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,35 @@ class AsyncEngine:
         if self._loop.is_closed() or not self._loop.is_running():
             raise RuntimeError("the AsyncEngine's event loop is not running; embed from inside it (async API)")
         return asyncio.run_coroutine_threadsafe(self.embed_many(texts, params), self._loop).result()
+
+    @property
+    def reranker_names(self) -> list[str]:
+        """The loaded rerankers (`model.rerankers`), the default first."""
+        return list(self._engine.rerankers)
+
+    async def score(self, query: str, documents: Sequence[str], params: RerankParams | None = None) -> list[float]:
+        """Each document's relevance to `query` (engine/rerankers.py), in the documents' order."""
+        if isinstance(documents, str):
+            raise TypeError("documents must be a list of strings, not one string")
+        return [out.score for out in await self.score_pairs([(query, doc) for doc in documents], params)]
+
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]],
+                          params: RerankParams | None = None) -> list[ScoreOutput]:
+        """(query, document) pairs scored in the shared steps, in order. A bad pair fails the call (ValueError
+        naming it) and the others are aborted."""
+        tasks = [asyncio.ensure_future(self._score(pair, params)) for pair in pairs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # NOTE: cancelling an awaiter aborts its request: no orphaned engine work
+                task.cancel()
+            raise
+
+    async def _score(self, pair: tuple[str, str], params: RerankParams | None) -> ScoreOutput:
+        out = await self._await(self._submit(RequestKind.SCORE, None, pair, params, stream=False))
+        if out.error is not None:
+            raise RuntimeError(f"scoring {out.request_id} failed: {out.error}")
+        return ScoreOutput(out.request_id, float(out.embedding[0]), len(out.prompt_token_ids), out.metrics)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> GenerationOutput:

@@ -18,15 +18,18 @@ from typing import Any
 import torch
 
 from orthrus_rag.config import EngineConfig
+from orthrus_rag.engine.batch_calls import BatchCalls
 from orthrus_rag.engine.core.block_manager import BlockManager, PrefixCachingBlockManager
 from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
-from orthrus_rag.engine.core.scheduler import Scheduler, SchedulerOutput, StepResult
+from orthrus_rag.engine.core.scheduler import Scheduler, StepResult
 from orthrus_rag.engine.continuation import Continuations
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.engine.executor.calibration import calibrate
 from orthrus_rag.engine.executor.plan import describe
 from orthrus_rag.engine.executor.runner import ModelRunner
 from orthrus_rag.engine.handoff import restore_generator
+from orthrus_rag.engine.rerankers import Reranker, build_rerankers
+from orthrus_rag.engine.stats import planned_stats
 from orthrus_rag.engine.text_io import InputProcessor, stream_text, update_output
 from orthrus_rag.layers.sampler import make_generator
 from orthrus_rag.outputs import (
@@ -37,18 +40,19 @@ from orthrus_rag.outputs import (
     RequestMetrics,
     StepStats,
 )
-from orthrus_rag.params import EmbeddingRoute, EmbeddingSpace, PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingRoute, EmbeddingSpace, PoolingParams, RerankParams, SamplingParams
 from orthrus_rag.structured.compiler import GrammarCompiler, compiler_for
 
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(BatchCalls):
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any,
                  adapter_slots: dict[str, int] | None = None, encoder: torch.nn.Module | None = None,
                  encoder_tokenizer: Any = None, encoder_pooling: dict | None = None,
                  adapter_kinds: dict[str, str] | None = None,
-                 adapter_prefixes: dict[str, dict[str, str]] | None = None) -> None:
+                 adapter_prefixes: dict[str, dict[str, str]] | None = None,
+                 cross_encoders: dict[str, tuple[torch.nn.Module, Any]] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.adapter_slots = dict(adapter_slots or {})
@@ -74,7 +78,9 @@ class Engine:
             update_output, tokenizer=tokenizer, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len),
             StepCostModel() if _sizes_steps_by_cost(config) or config.scheduler.slo.bounds_step_time else None,
             decode_margin=_sizes_steps_by_cost(config))
-        self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len, self.eos_token_ids)
+        cross_encoders = cross_encoders or {}
+        self.runner = ModelRunner(model, config, num_blocks, dtype, encoder, self.max_seq_len, self.eos_token_ids,
+                                  {name: m for name, (m, _) in cross_encoders.items()})
         # what each part of a step runs here, read from the loaded model and runner (engine/executor/plan.py)
         self.plan = describe(self.runner)
         logger.info("plan: %s", self.plan.summary())
@@ -85,6 +91,10 @@ class Engine:
             tokenizer, hf.vocab_size, max_len, num_blocks * cache.block_size, encoder_tokenizer,
             encoder.config.vocab_size if encoder is not None else 0,
             getattr(encoder, "max_seq_length", encoder.max_position_embeddings) if encoder is not None else 0)
+        # (query, document) scorers by name, the first the default (engine/rerankers.py)
+        self.rerankers = build_rerankers(config.model.rerankers, cross_encoders, encoder, tokenizer,
+                                         model.compute_logits, dtype, min(max_len, num_blocks * cache.block_size),
+                                         self._adapter_slot)
         self._ids = itertools.count()
         self.continuations = Continuations()  # finished generations `continue_` may extend (engine/continuation.py)
         self.num_steps = 0
@@ -111,7 +121,8 @@ class Engine:
         check_policy(config.scheduler.policy)  # NOTE: before any weights load
         loaded = load_models(config)
         return cls(config, loaded.model, loaded.tokenizer, loaded.adapter_slots, loaded.encoder,
-                   loaded.encoder_tokenizer, loaded.encoder_pooling, loaded.adapter_kinds, loaded.adapter_prefixes)
+                   loaded.encoder_tokenizer, loaded.encoder_pooling, loaded.adapter_kinds, loaded.adapter_prefixes,
+                   loaded.cross_encoders)
 
     # ---- submission -------------------------------------------------------------------------------------
     def _new_id(self, prefix: str) -> str:
@@ -211,6 +222,34 @@ class Engine:
                       adapter_slot=route.slot, on_encoder=route.on_encoder)
         return self._add(req)
 
+    def add_score(self, query: str, document: str, params: RerankParams | None = None,
+                  request_id: str | None = None) -> str:
+        """Queue one (query, document) pair for a reranker; its output is an `EmbeddingOutput` whose embedding is
+        [relevance]. Pooled like an embedding, so it shares steps (and the embedding's priorities) with the rest."""
+        params = params or RerankParams()
+        pair = self.reranker(params.reranker).pair(query, document, params)
+        req = Request(request_id or self._new_id("score"), RequestKind.SCORE, pair.token_ids,
+                      pooling_params=pair.params, adapter_slot=pair.adapter_slot, on_encoder=pair.on_encoder,
+                      encoder=pair.encoder, token_cost=pair.token_cost, token_type_ids=pair.token_type_ids,
+                      keep_kv=not pair.on_encoder and self.config.cache.enable_prefix_caching)
+        return self._add(req)
+
+    def _adapter_slot(self, name: str) -> int:
+        """A loaded adapter's slot, whatever its kind (a yes/no reading is a logits read)."""
+        if name not in self.adapter_slots:
+            raise ValueError(f"adapter {name!r} is not loaded; loaded: {', '.join(self.adapter_slots) or 'none'}")
+        return self.adapter_slots[name]
+
+    def reranker(self, name: str | None = None) -> Reranker:
+        """A loaded reranker by name (None: the first); ValueError naming the loaded ones."""
+        if not self.rerankers:
+            raise ValueError("this engine loads no reranker; set model.rerankers (a cross-encoder, or backbone)")
+        if name is None:
+            return next(iter(self.rerankers.values()))
+        if name not in self.rerankers:
+            raise ValueError(f"unknown reranker {name!r}; loaded: {', '.join(self.rerankers)}")
+        return self.rerankers[name]
+
     # ---- what an embedding runs on (public: embedders and servers ask, never the runner) -------------------
     @property
     def has_encoder(self) -> bool:
@@ -284,7 +323,7 @@ class Engine:
         if sched.is_empty:
             return []
         now = time.monotonic()
-        stats = _planned_stats(self.num_steps, sched, len(self.scheduler.waiting), len(self.scheduler.running),
+        stats = planned_stats(self.num_steps, sched, len(self.scheduler.waiting), len(self.scheduler.running),
                                self.block_manager.num_used_blocks)
         stats.num_prefix_hit_tokens = self._prefix_hit_tokens() - hits
         for req in [s.req for s in sched.scheduled] + sched.encoder:
@@ -347,56 +386,6 @@ class Engine:
         EngineLoop(self, orphan=lambda o: outputs.update({o.request_id: o} if o.finished else {})).run_until_done(limit)
         return outputs
 
-    # ---- convenience APIs -------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
-        outs, _ = self.run(prompts=prompts, sampling_params=params)
-        return outs
-
-    def embed(self, texts: str | Sequence[str | Sequence[int]],
-              params: PoolingParams | None = None) -> list[EmbeddingOutput]:
-        _, outs = self.run(texts=texts, pooling_params=params)
-        return outs
-
-    def run(self, prompts: str | Sequence[str | Sequence[int]] = (),
-            sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-            texts: str | Sequence[str | Sequence[int]] = (), pooling_params: PoolingParams | None = None,
-            ) -> tuple[list[GenerationOutput], list[EmbeddingOutput]]:
-        """Submit generations and embeddings together so they share engine steps; outputs in input order.
-        `sampling_params`: one for every prompt, or a list with one per prompt (as vLLM's `generate`).
-        Every input is validated before any is submitted."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        if isinstance(sampling_params, Sequence):
-            per_prompt = list(sampling_params)
-            if len(per_prompt) != len(prompts):
-                raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts; give one, or one "
-                                 "per prompt")
-        else:
-            per_prompt = [sampling_params] * len(prompts)
-        gen_ids, emb_ids = [], []
-        try:
-            for p, params in zip(prompts, per_prompt):
-                gen_ids.append(self.add_generate(p, params))
-            for t in texts:
-                emb_ids.append(self.add_embed(t, pooling_params))
-        except (ValueError, TypeError):
-            for rid in gen_ids + emb_ids:
-                self.abort(rid)
-            raise
-        try:
-            outputs = self.run_until_done()
-        except BaseException:
-            # NOTE: a failed step (or an interrupt) must not leave this call's requests queued: every later call
-            # would run into them again. Abort them (blocks freed) and let the error through.
-            for rid in gen_ids + emb_ids:
-                self.abort(rid)
-            raise
-        failed = [f"{i}: {outputs[i].error}" for i in emb_ids if outputs[i].error]
-        if failed:
-            raise RuntimeError(f"{len(failed)} embedding(s) failed: {'; '.join(failed[:3])}")
-        return [outputs[i] for i in gen_ids], [outputs[i] for i in emb_ids]
-
     # ---- as the deployments (orthrus_rag.engine.deploy) offer it: an in-process engine holds no workers ------
     def shutdown(self) -> None:
         """Nothing to release in-process; lets benchmarks treat an Engine like the multi-process deployments."""
@@ -421,21 +410,3 @@ def _sizes_steps_by_cost(config: EngineConfig) -> bool:
     if config.scheduler.cost_budget is not None:
         return config.scheduler.cost_budget
     return torch.device(config.model.device).type == "cuda"
-
-
-def _planned_stats(step: int, sched: SchedulerOutput, num_waiting: int, num_running: int,
-                   kv_blocks_used: int) -> StepStats:
-    """A step's stats as the scheduler planned it (`record_execution` adds what ran)."""
-    embed = prefill = decode = 0
-    for s in sched.scheduled:
-        if s.req.is_embed:
-            embed += s.num_new_tokens
-        elif s.req.is_decoding:
-            decode += s.num_new_tokens
-        else:
-            prefill += s.num_new_tokens
-    return StepStats(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
-                     len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
-                     kv_blocks_used, embed_at_risk=sched.embed_at_risk, generate_at_risk=sched.generate_at_risk,
-                     time_capped=sched.time_capped, num_yielded_decodes=len(sched.yielded),
-                     predicted_step_time=sched.predicted_s)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.outputs import EngineOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import PoolingParams, RerankParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class EngineLoop:
         self.sinks: dict[str, RequestSink] = {}
 
     # ---- commands ---------------------------------------------------------------------------------------------
-    def add(self, kind: RequestKind, request_id: str | None, input: Any, params: SamplingParams | PoolingParams | None,
+    def add(self, kind: RequestKind, request_id: str | None, input: Any,
+            params: SamplingParams | PoolingParams | RerankParams | None,
             sink: RequestSink, *, stream: bool = False, handoff: bool = False) -> str:
         """Queue one request whose results go to `sink`; bad input raises (ValueError / TypeError) and adds
         nothing. The one place that dispatches on the kind of a request."""
@@ -51,6 +52,10 @@ class EngineLoop:
             rid = self.engine.add_generate(input, params, request_id, stream=stream, handoff=handoff)
         elif kind is RequestKind.EMBED:
             rid = self.engine.add_embed(input, params, request_id)
+        elif kind is RequestKind.SCORE:  # input: a (query, document) pair
+            if not isinstance(input, (tuple, list)) or len(input) != 2:
+                raise TypeError("a scoring request's input is a (query, document) pair")
+            rid = self.engine.add_score(input[0], input[1], params, request_id)
         else:
             kinds = ", ".join(k.value for k in RequestKind)
             raise ValueError(f"unknown request kind {kind!r}; expected one of {kinds}")

@@ -107,3 +107,22 @@ def summarize_steps(steps: Iterable[StepStats]) -> dict[str, Any]:
     for s in steps:
         agg.add(s)
     return agg.summary()
+
+
+def planned_stats(step: int, sched: Any, num_waiting: int, num_running: int,
+                   kv_blocks_used: int) -> StepStats:
+    """A step's stats as the scheduler planned it (`sched`: engine/core/scheduler.py's SchedulerOutput;
+    `record_execution` adds what ran)."""
+    embed = prefill = decode = 0
+    for s in sched.scheduled:
+        if s.req.is_embed:
+            embed += s.num_new_tokens
+        elif s.req.is_decoding:
+            decode += s.num_new_tokens
+        else:
+            prefill += s.num_new_tokens
+    return StepStats(step, embed, prefill, decode, sum(r.num_tokens for r in sched.encoder),
+                     len(sched.scheduled) + len(sched.encoder), num_waiting, num_running, len(sched.preempted),
+                     kv_blocks_used, embed_at_risk=sched.embed_at_risk, generate_at_risk=sched.generate_at_risk,
+                     time_capped=sched.time_capped, num_yielded_decodes=len(sched.yielded),
+                     predicted_step_time=sched.predicted_s)

@@ -55,6 +55,9 @@ def validate(cfg: Any) -> None:
                                              question_timeout_s=p.question_timeout_s), keyed=True)
     owned("pipeline", lambda: check_answer_format(p.answer_format))
     owned("pipeline", lambda: check_prompt_style(p.prompt_style, p.answer_format))
+    from orthrus_rag.pipelines.rerank import check_reranking
+
+    owned("pipeline", lambda: check_reranking(p.reranker, p.top_k, r.k, list(cfg.model.rerankers)), keyed=True)
     if p.name in ("ircot", "flare", "self_ask", "search_r1"):
         from orthrus_rag.pipelines.flare import check_flare
         from orthrus_rag.pipelines.ircot import check_ircot

@@ -213,7 +213,13 @@ def build_pipeline(cfg: Any, client: Any, retriever: Any):  # -> Method
            "search_r1": {"max_searches": p.max_searches, "min_searches": p.min_searches,
                          "step_tokens": p.step_tokens, "tags": p.tags,
                          "constrain_format": p.constrain_format, "continuation": p.continuation}}.get(p.name, {})
-    return make_method(p.name, client, retriever, k=cfg.retriever.k,
+    reranker = None
+    if p.reranker is not None and retriever is not None:
+        from orthrus_rag.pipelines.rerank import Reranking
+
+        reranker = Reranking(client, p.reranker, cfg.retriever.k)
+    return make_method(p.name, client, retriever, k=p.top_k if reranker is not None else cfg.retriever.k,
+                       reranker=reranker,
                        chat_template=client.tokenizer if p.chat_template else None,
                        sampling_params=SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
                                                       adapter=p.generation_adapter),

@@ -29,11 +29,10 @@ class PoolerState:
         raise NotImplementedError
 
     def finish(self) -> torch.Tensor:
-        """The embedding: float32 [d] ([n, d] or the head's output for 'all'), L2-normalised if asked."""
+        """The embedding: float32 [d] ([n, d] for 'all'), or the head's output on it, L2-normalised if asked."""
         if self.num_seen != self.num_tokens:
             raise RuntimeError(f"pooler saw {self.num_seen} of {self.num_tokens} tokens before finish()")
-        out = self._pool()
-        return F.normalize(out, dim=-1) if self.params.normalize else out
+        return _finish(self._pool(), self.params)
 
 
 class MeanState(PoolerState):
@@ -97,7 +96,7 @@ class TokenState(PoolerState):
 
 
 class AllState(PoolerState):
-    """Keep every hidden row (O(n·d) memory); apply the head, if any, to the float32 [n, d] matrix."""
+    """Keep every hidden row (O(n·d) memory): the float32 [n, d] matrix."""
 
     def __init__(self, params: PoolingParams, num_tokens: int) -> None:
         super().__init__(params, num_tokens)
@@ -108,8 +107,13 @@ class AllState(PoolerState):
         self.num_seen += hidden.shape[0]
 
     def _pool(self) -> torch.Tensor:
-        rows = torch.cat(self.chunks).float()
-        return self.params.head(rows) if self.params.head is not None else rows
+        return torch.cat(self.chunks).float()
+
+
+def _finish(pooled: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """The head, then L2 normalisation, as asked: what every pooling ends with."""
+    out = params.head(pooled) if params.head is not None else pooled
+    return F.normalize(out, dim=-1) if params.normalize else out
 
 
 def _check_weights(params: PoolingParams, num_tokens: int) -> None:
@@ -117,10 +121,17 @@ def _check_weights(params: PoolingParams, num_tokens: int) -> None:
         raise ValueError(f"got {len(params.weights)} pooling weights for {num_tokens} tokens; need one per token")
 
 
-def make_pooler_state(params: PoolingParams, num_tokens: int) -> PoolerState:
-    """A fresh pooling state for a request of `num_tokens` tokens."""
+def make_pooler_state(params: PoolingParams, num_tokens: int, start: int = 0) -> PoolerState:
+    """A fresh pooling state for a request of `num_tokens` tokens whose first `start` came from the prefix cache
+    (their hidden states never pass here: only `last` pooling can start past 0, as a scored pair does)."""
     if num_tokens < 1:
         raise ValueError(f"cannot pool an empty sequence (num_tokens={num_tokens})")
+    if start:
+        if params.pooling != "last" or not 0 < start < num_tokens:
+            raise ValueError(f"pooling={params.pooling} cannot start at token {start} of {num_tokens}")
+        state = TokenState(params, num_tokens, num_tokens - 1)
+        state.num_seen = start
+        return state
     _check_weights(params, num_tokens)
     if params.pooling == "mean":
         return MeanState(params, num_tokens)
@@ -153,5 +164,5 @@ def pool_whole(hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
     elif params.pooling == "last":
         out = h[-1].clone()
     else:
-        out = params.head(h) if params.head is not None else h.clone()
-    return F.normalize(out, dim=-1) if params.normalize else out
+        out = h.clone()
+    return _finish(out, params)

@@ -28,7 +28,7 @@ _ROOTS = ("embeddings.", "encoder.", "pooler.", "cls.")
 
 
 class BertEmbeddings(nn.Module):
-    """word + position + token_type(0) embeddings, then LayerNorm."""
+    """word + position + token_type embeddings, then LayerNorm."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -37,10 +37,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # NOTE: every token is segment 0, so one row of the token-type table is broadcast.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        if token_type_ids is None:  # NOTE: one segment (an embedding input): one row of the table, broadcast
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
 
 
 class BertSelfAttention(nn.Module):
@@ -116,6 +118,9 @@ class BertEncoderStack(nn.Module):
 class BertEncoder(nn.Module):
     """Bidirectional BERT encoder; attention stays within each packed sequence."""
 
+    # checkpoint entries this class does not model (a subclass with a head keeps the pooler: `cross_encoder.py`)
+    ignored_prefixes: tuple[str, ...] = _IGNORED_PREFIXES
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         if config.hidden_size % config.num_attention_heads:
@@ -146,25 +151,31 @@ class BertEncoder(nn.Module):
         config = AutoConfig.from_pretrained(str(path))
         if not isinstance(config, BertConfig):
             raise TypeError(f"{path}: expected a BERT config, got {type(config).__name__}")
+        cls.check_config(config, path)
         with torch.device("meta"):
             model = cls(config)
         weights = load_file(str(Path(path) / "model.safetensors"), device=str(device))
         state = {}
         for key, tensor in weights.items():
             key = _strip_prefix(key)
-            if not key.startswith(_IGNORED_PREFIXES) and not key.endswith(_IGNORED_SUFFIXES):
+            if not key.startswith(cls.ignored_prefixes) and not key.endswith(_IGNORED_SUFFIXES):
                 state[key] = tensor.to(dtype)
         expected = set(model.state_dict())
         missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
         if missing or unexpected:
-            raise ValueError(f"{path}/model.safetensors does not match BertEncoder: "
+            raise ValueError(f"{path}/model.safetensors does not match {cls.__name__}: "
                              f"missing keys {missing}, unexpected keys {unexpected}")
         model.load_state_dict(state, assign=True)
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                seq_lens: list[int]) -> torch.Tensor:
-        """Packed [T] ids/positions (sequences back to back) -> last hidden states [T, hidden]."""
+    @classmethod
+    def check_config(cls, config: BertConfig, path: str | os.PathLike) -> None:
+        """Refuse a checkpoint this class cannot run, before its weights load (a subclass's rule)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed [T] ids/positions (sequences back to back) -> last hidden states [T, hidden]. `token_type_ids`:
+        each token's segment (a cross-encoder's query 0, passage 1); None: all segment 0."""
         num_tokens = input_ids.shape[0]
         if sum(seq_lens) != num_tokens or positions.shape[0] != num_tokens:
             raise ValueError(f"seq_lens sum to {sum(seq_lens)} but input_ids has {num_tokens} "
@@ -172,14 +183,18 @@ class BertEncoder(nn.Module):
         if num_tokens and int(positions.max()) >= self.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} exceeds the model's "
                              f"max_position_embeddings {self.max_position_embeddings}")
+        if token_type_ids is not None and token_type_ids.shape[0] != num_tokens:
+            raise ValueError(f"token_type_ids has {token_type_ids.shape[0]} tokens but input_ids has {num_tokens}")
         if num_tokens > self.max_pass_tokens:
-            return torch.cat([self._forward(input_ids[a:b], positions[a:b], seq_lens[i:j])
+            return torch.cat([self._forward(input_ids[a:b], positions[a:b], seq_lens[i:j],
+                                            None if token_type_ids is None else token_type_ids[a:b])
                               for i, j, a, b in passes(seq_lens, self.max_pass_tokens)])
-        return self._forward(input_ids, positions, seq_lens)
+        return self._forward(input_ids, positions, seq_lens, token_type_ids)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         packing = Packing(seq_lens, self.cpu_attention_kernel)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x, packing)
         return x

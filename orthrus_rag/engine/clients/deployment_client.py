@@ -30,8 +30,8 @@ from typing import Any
 from orthrus_rag.embedding_formats import adapter_prefixes
 from orthrus_rag.engine.clients.protocol import ClientFailed, RequestFailed, refuse_inside_event_loop
 from orthrus_rag.engine.deploy.spec import WorkerError
-from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput
-from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
+from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput, ScoreOutput
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, RerankParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,11 @@ class DeploymentClient:
 
     def __init__(self, client: Any, poll_s: float = 0.02, stall_timeout_s: float = 600.0,
                  max_in_flight: int = 4096, name: str = "deployment", tokenizer: Any = None,
-                 embedding_space: EmbeddingSpace | None = None) -> None:
+                 embedding_space: EmbeddingSpace | None = None, reranker_names: Sequence[str] = ()) -> None:
         if poll_s <= 0 or stall_timeout_s <= 0 or max_in_flight < 1:
             raise ValueError("poll_s and stall_timeout_s must be positive and max_in_flight at least 1")
         self.client, self.name, self.tokenizer = client, name, tokenizer
+        self.reranker_names = list(reranker_names)  # what the workers' engines load (`model.rerankers`)
         self._space = embedding_space or EmbeddingSpace("unknown")
         self.poll_s, self.stall_timeout_s, self.max_in_flight = poll_s, stall_timeout_s, max_in_flight
         self._inbox: queue.Queue[tuple[str, str, Any, Any, Future]] = queue.Queue()
@@ -83,8 +84,8 @@ class DeploymentClient:
     def submit(self, kind: str, input: str | Sequence[int],
                params: SamplingParams | PoolingParams | None = None, request_id: str | None = None) -> Future:
         """Queue one request; its future resolves to the finished output or fails with `RequestFailed`."""
-        if kind not in ("generate", "embed"):
-            raise ValueError(f"unknown request kind {kind!r}; expected 'embed' or 'generate'")
+        if kind not in ("generate", "embed", "score"):
+            raise ValueError(f"unknown request kind {kind!r}; expected 'embed', 'generate' or 'score'")
         future: Future = Future()
         with self._lock:
             if self._error is not None:
@@ -120,6 +121,21 @@ class DeploymentClient:
         """Submitted together, so they share the serving system's steps; outputs in input order."""
         futures = [asyncio.wrap_future(self.submit("embed", t, params)) for t in texts]
         return list(await asyncio.gather(*futures))
+
+    async def score(self, query: str, documents: Sequence[str], params: RerankParams | None = None) -> list[float]:
+        """Each document's relevance to `query`, scored where the system routes scoring (engine/rerankers.py)."""
+        if isinstance(documents, str):
+            raise TypeError("documents must be a list of strings, not one string")
+        return [out.score for out in await self.score_pairs([(query, d) for d in documents], params)]
+
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]],
+                          params: RerankParams | None = None) -> list[ScoreOutput]:
+        """(query, document) pairs submitted together; a failed pair fails the call (`RequestFailed`)."""
+        if not self.reranker_names:
+            raise ValueError("this deployment loads no reranker; set model.rerankers")
+        futures = [asyncio.wrap_future(self.submit("score", tuple(pair), params)) for pair in pairs]
+        outs = await asyncio.gather(*futures)
+        return [ScoreOutput(o.request_id, float(o.embedding[0]), len(o.prompt_token_ids), o.metrics) for o in outs]
 
     def embed_sync(self, texts: Sequence[str | Sequence[int]], params: PoolingParams | None = None,
                    timeout_s: float | None = None) -> list[EmbeddingOutput]:
@@ -237,8 +253,8 @@ class DeploymentClient:
 
 
 def _error_of(out: EngineOutput) -> str | None:
-    if isinstance(out, EmbeddingOutput):
-        return out.error or ("pooling failed" if out.finish_reason == "error" else None)
+    if isinstance(out, EmbeddingOutput):  # NOTE: an aborted one has no vector: never a result
+        return out.error or {"error": "pooling failed", "abort": "aborted"}.get(out.finish_reason or "")
     if out.finish_reason == "error":
         return out.text or "generation failed"
     if out.finish_reason == "abort":
@@ -268,7 +284,8 @@ def start_deployment(mode: str, config: Any, threads: tuple[int, ...]) -> Deploy
     prefixes = adapter_prefixes({Path(a).name: a for a in mc.embedding_adapters})
     space = EmbeddingSpace(mc.name, mc.embedding_model, tuple(mc.embedding_adapters), slots, encoder_pooling,
                            adapter_prefixes=prefixes)
-    return DeploymentClient(deployment, name=f"{mode} {threads}", tokenizer=tokenizer, embedding_space=space)
+    return DeploymentClient(deployment, name=f"{mode} {threads}", tokenizer=tokenizer, embedding_space=space,
+                            reranker_names=mc.rerankers)
 
 
 def encoder_pooling_of(embedding_model: str | None) -> dict:

@@ -34,7 +34,7 @@ import heapq
 from array import array
 from collections import OrderedDict, deque
 
-from orthrus_rag.engine.core.request import Request, RequestKind
+from orthrus_rag.engine.core.request import Request
 
 
 class BlockManager:
@@ -138,7 +138,7 @@ class PrefixCachingBlockManager(BlockManager):
         return names
 
     def match_prefix(self, req: Request) -> int:
-        if req.kind is not RequestKind.GENERATE or req.num_computed_tokens or req.block_table:
+        if not req.shares_prefixes or req.num_computed_tokens or req.block_table:
             return 0
         if req.sampling_params is not None and req.sampling_params.prompt_logprobs is not None:
             return 0  # NOTE: its prompt log-probabilities come from computing every prompt row
@@ -156,9 +156,10 @@ class PrefixCachingBlockManager(BlockManager):
             self.num_hit_tokens += req.num_computed_tokens
             req.num_cached_tokens = req.num_computed_tokens
         # NOTE: a continuation's held blocks are now its own: its id's hold, and any hold whose last block it matched
-        # (the name chain: then it matched all of them)
-        self._drop_hold(req.req_id)
-        if self._hold_tails:
+        # (the name chain: then it matched all of them); a scored pair continues no generation
+        if not req.is_embed:
+            self._drop_hold(req.req_id)
+        if self._hold_tails and not req.is_embed:
             for block in req.block_table:
                 key = self._hold_tails.get(block)
                 if key is not None:
@@ -174,7 +175,7 @@ class PrefixCachingBlockManager(BlockManager):
         req.num_registered_blocks = 0
 
     def cache_computed(self, req: Request) -> None:
-        if req.kind is not RequestKind.GENERATE:
+        if not req.shares_prefixes:
             return
         full = req.num_computed_tokens // self.block_size
         if full <= req.num_registered_blocks:

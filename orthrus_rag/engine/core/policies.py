@@ -62,7 +62,7 @@ class SchedulerQueues:
         return sum(self._encoder_cost(r) if r.on_encoder else r.num_remaining_tokens for r in reqs)
 
     def _encoder_cost(self, req: Request) -> int:
-        return max(1, math.ceil(req.num_tokens * self.config.encoder_token_weight))
+        return max(1, math.ceil(req.encoder_tokens * self.config.encoder_token_weight))
 
 
 @dataclass

@@ -13,6 +13,9 @@ from orthrus_rag.params import PoolingParams, SamplingParams, is_bulk
 class RequestKind(enum.Enum):
     EMBED = "embed"
     GENERATE = "generate"
+    # a (query, document) pair scored by a reranker: pooled like an embedding, through the reranker's scoring head
+    # (engine/rerankers.py), so the scheduler and the runner treat it as one
+    SCORE = "score"
 
 
 class RequestStatus(enum.Enum):
@@ -28,7 +31,9 @@ class Request:
 
     A step assigns `num_new_tokens` so that `num_computed_tokens` catches up with `num_tokens`; a generating
     request whose prompt is done has exactly one uncomputed token (the last sampled one) each step.
-    `on_encoder` marks an embedding request for the separate (bidirectional) encoder: it runs whole.
+    `on_encoder` marks an embedding request for a separate (bidirectional) encoder: it runs whole, on the encoder
+    named `encoder` ("": the embedding model; a cross-encoder reranker's name), each token costing `token_cost`
+    of the embedding model's (the step-cost model's encoder unit).
     """
 
     req_id: str
@@ -38,6 +43,10 @@ class Request:
     pooling_params: PoolingParams | None = None
     adapter_slot: int = 0  # 0: no adapter; i > 0: the i-th loaded LoRA adapter
     on_encoder: bool = False
+    encoder: str = ""
+    token_cost: float = 1.0
+    token_type_ids: list[int] | None = None  # a cross-encoder pair's segments (query 0, document 1)
+    keep_kv: bool = False  # a scored pair on the backbone of a prefix cache: all its KV is written and named
     stream: bool = False  # a generating request that reports every new token, not only its end
     handoff: bool = False  # hand it to another engine once its first token is sampled (engine/handoff.py)
     arrival_time: float = field(default_factory=time.monotonic)
@@ -66,8 +75,9 @@ class Request:
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
-        # NOTE: a plain attribute, not a property: the scheduler asks it thousands of times per step
-        self.is_embed: bool = self.kind is RequestKind.EMBED
+        # NOTE: a plain attribute, not a property: the scheduler asks it thousands of times per step. A scoring
+        # request is embedding work: pooled, never sampled
+        self.is_embed: bool = self.kind is not RequestKind.GENERATE
 
     @property
     def priority(self) -> int:
@@ -86,6 +96,11 @@ class Request:
         for a continuation (`SamplingParams.hold_kv_s`)."""
         return (self.status is RequestStatus.FINISHED and self.finish_reason in ("stop", "length")
                 and self.sampling_params is not None and self.sampling_params.hold_kv_s > 0)
+
+    @property
+    def encoder_tokens(self) -> float:
+        """Its tokens in the encoder unit the step costs are counted in (an encoder request's)."""
+        return self.num_tokens * self.token_cost
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,13 +145,21 @@ class Request:
         """Whether the tokens of this step must be written to the KV cache.
 
         An embedding's final chunk is never attended to again, so it writes no KV; an embedding that fits in
-        one chunk needs no blocks at all. Encoder requests have no paged cache.
+        one chunk needs no blocks at all. A scored pair that `keep_kv` writes all of its KV: its blocks stay in the
+        prefix cache by name, and a query's other candidates share the judging prompt and the query
+        (block_manager.py). Encoder requests have no paged cache.
         """
         if self.on_encoder:
             return False
         if self.is_embed:
-            return self.num_computed_tokens + num_new_tokens < self.num_tokens
+            return self.keep_kv or self.num_computed_tokens + num_new_tokens < self.num_tokens
         return True
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether its computed blocks are named for the prefix cache and its prompt may start from cached ones:
+        generations, and the scored pairs that keep their KV."""
+        return self.kind is RequestKind.GENERATE or self.keep_kv
 
     def num_kv_tokens_after(self, num_new_tokens: int) -> int:
         """How many tokens must have KV slots once this step's tokens are written."""

@@ -22,7 +22,7 @@ from typing import Any
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.core.block_manager import BlockManager
 from orthrus_rag.engine.core.policies import Policy, SchedulerQueues, make_policy
-from orthrus_rag.engine.core.request import Request, RequestStatus
+from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
 from orthrus_rag.engine.core.step_cost import StepCostModel, StepShape
 from orthrus_rag.engine.core.step_sizing import StepSizer
 
@@ -66,7 +66,7 @@ class SchedulerOutput:
                 adapters.add(s.req.adapter_slot)
             # NOTE: the runner's rule for a generation row (runner._run_decoder)
             sampled += not s.req.is_embed and s.req.num_computed_tokens + s.num_new_tokens == s.req.num_tokens
-        return StepShape(tokens, pairs, sum(r.num_tokens for r in self.encoder), adapter_rows, len(adapters),
+        return StepShape(tokens, pairs, sum(r.encoder_tokens for r in self.encoder), adapter_rows, len(adapters),
                          sampled)
 
 
@@ -120,7 +120,9 @@ class Scheduler(SchedulerQueues):
     def add(self, req: Request) -> None:
         self._register(req)
         self.waiting.append(req)
-        if self.targets is not None and req.is_embed and not req.is_bulk:
+        # NOTE: an `auto` embedding target is predicted from embeddings' lengths; a scored pair (another model, or
+        # the backbone) is not one
+        if self.targets is not None and req.kind is RequestKind.EMBED and not req.is_bulk:
             self.targets.note_embedding(req)
 
     def _register(self, req: Request) -> None:
@@ -371,7 +373,9 @@ class Scheduler(SchedulerQueues):
                     continue
                 cost = self._encoder_cost(req)
                 # NOTE: an encoder request never splits. The first of a lane may overdraw the lane's cap (else a
-                # small share could never fit it); one that exceeds the whole budget runs alone.
+                # small share could never fit it); one that exceeds the whole budget (a long pair on a large
+                # cross-encoder) runs as the step's only encoder request, beside the decodes already in it: waiting
+                # for a step of its own would starve it under a steady stream of generations.
                 time_fit = self.sizing.encoder_time_fit(req, out)
                 if time_fit is None:
                     # NOTE: it can never fit beside decodes: it runs as the step's only encoder request, over the
@@ -382,7 +386,7 @@ class Scheduler(SchedulerQueues):
                         self._cap = max(self._cap, out.budget_used + cost)
                 else:
                     fits = time_fit and (cost <= left or (used == 0 and cost <= self._budget_left(out)))
-                if not fits and not (out.is_empty and cost > cfg.max_num_batched_tokens):
+                if not fits and not (not out.encoder and cost > cfg.max_num_batched_tokens):
                     admit = False
                     continue
                 self.waiting.remove(req)

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class StepShape:
     num_tokens: int  # decoder rows
     attention_pairs: int  # Σ over sequences of new tokens x keys
-    num_encoder_tokens: int = 0
+    num_encoder_tokens: float = 0  # in the embedding encoder's tokens (Request.encoder_tokens)
     num_adapter_rows: int = 0
     num_adapters: int = 0
     # rows that produce a token this step (every decode, a prompt's last chunk): without this term, steps of ~26

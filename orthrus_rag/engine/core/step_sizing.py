@@ -94,7 +94,7 @@ class StepSizer:
             return []
         cfg, itl = self.config, targets.itl_s
         need = sum(min(r.num_remaining_tokens, cfg.max_chunk_tokens) for r in late if not r.on_encoder)
-        encoder_need = sum(r.num_tokens for r in late if r.on_encoder)
+        encoder_need = sum(r.encoder_tokens for r in late if r.on_encoder)
         if prompts:  # NOTE: the policy gives a kind at risk all but the other kind's min_share
             need = int(need / (1.0 - cfg.min_share)) + 1
         keys = self._keys_per_token(running)
@@ -149,11 +149,11 @@ class StepSizer:
         if self.time_target is None or self.cost_model is None:
             return True
         base = out.shape()
-        with_req = replace(base, num_encoder_tokens=base.num_encoder_tokens + req.num_tokens)
+        with_req = replace(base, num_encoder_tokens=base.num_encoder_tokens + req.encoder_tokens)
         if self.cost_model.predict(with_req) <= self.time_target:
             return True
         decodes = [s for s in out.scheduled if s.req.is_decoding]
-        alone = StepShape(len(decodes), sum(s.req.num_computed_tokens + 1 for s in decodes), req.num_tokens,
+        alone = StepShape(len(decodes), sum(s.req.num_computed_tokens + 1 for s in decodes), req.encoder_tokens,
                           num_sampled_rows=len(decodes))
         return None if self.cost_model.predict(alone) > self.time_target else False
 

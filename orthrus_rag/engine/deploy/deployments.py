@@ -240,7 +240,8 @@ class DedicatedDeployment(_ProcessDeployment):
     """Two engines in two processes, one per request kind; `threads` = (generation, embedding)."""
 
     ROLES = ("generate", "embed")
-    ROUTE = {"generate": "generate", "embed": "embed"}
+    # NOTE: scored pairs go with the embeddings: a pooling process beside the generation process
+    ROUTE = {"generate": "generate", "embed": "embed", "score": "embed"}
 
 
 class DisaggPDDeployment(_ProcessDeployment):
@@ -248,7 +249,7 @@ class DisaggPDDeployment(_ProcessDeployment):
     `threads` = (prefill, decode)."""
 
     ROLES = ("prefill", "decode")
-    ROUTE = {"generate": "prefill", "embed": "prefill"}
+    ROUTE = {"generate": "prefill", "embed": "prefill", "score": "prefill"}
     HANDOFF = {"prefill": "decode"}
 
 

@@ -22,7 +22,9 @@ from orthrus_rag.layers.linear import (GEMV_BUCKETS, GEMV_MAX_ROWS, ROW_BUCKETS,
 from orthrus_rag.layers.lora import attach_adapters, load_peft_adapter, set_lora_kernel, use_cpu_lora_kernel
 from orthrus_rag.layers.quantized import check_quantization
 from orthrus_rag.machine import ONEDNN_BF16_FLAGS, machine_key, remembered
+from orthrus_rag.engine.rerankers import is_backbone
 from orthrus_rag.models.bert import BertEncoder, read_max_seq_length, read_sentence_transformers_pooling
+from orthrus_rag.models.cross_encoder import BertCrossEncoder
 from orthrus_rag.models.loader import load_decoder
 from orthrus_rag.models.registry import (cache_root, decoder_files, gguf_quantization, gguf_source,
                                          resolve_adapter_path, resolve_model_path)
@@ -42,6 +44,7 @@ class LoadedModels:
     encoder: torch.nn.Module | None = None
     encoder_tokenizer: Any = None
     encoder_pooling: dict = field(default_factory=dict)
+    cross_encoders: dict[str, tuple[torch.nn.Module, Any]] = field(default_factory=dict)  # name -> (model, tokenizer)
 
 
 def load_models(config: EngineConfig) -> LoadedModels:
@@ -77,7 +80,32 @@ def load_models(config: EngineConfig) -> LoadedModels:
         # NOTE: sentence-transformers cuts inputs at max_seq_length (256 for MiniLM), below the 512 positions
         encoder.max_seq_length = read_max_seq_length(enc_path) or encoder.max_position_embeddings
     apply_kernels(mc.requested_kernels(), model, encoder, mc.torch_dtype, torch.device(mc.device))
-    return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling)
+    return LoadedModels(model, tokenizer, slots, kinds, prefixes, encoder, encoder_tokenizer, encoder_pooling,
+                        load_cross_encoders(config))
+
+
+def load_cross_encoders(config: EngineConfig) -> dict[str, tuple[torch.nn.Module, Any]]:
+    """The cross-encoder rerankers `model.rerankers` names (not the backbone's readings), on the kernels the plan
+    chooses for an encoder."""
+    mc, out = config.model, {}
+    for name in mc.rerankers:
+        if is_backbone(name):
+            continue
+        path = resolve_model_path(name)
+        logger.info("loading reranker %s from %s", name, path)
+        model = BertCrossEncoder.from_pretrained(path, mc.torch_dtype, mc.device).eval()
+        _encoder_kernels(mc.requested_kernels(), model, mc.torch_dtype, torch.device(mc.device))
+        out[name] = (model, AutoTokenizer.from_pretrained(str(path)))
+    return out
+
+
+def _encoder_kernels(want: dict[str, str], encoder: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """An encoder's attention and packed linears, as `apply_kernels` chooses them for the embedding model."""
+    head_dim = encoder.config.hidden_size // encoder.config.num_attention_heads
+    encoder.cpu_attention_kernel = choose_encoder(want["encoder_attention"], device, dtype, head_dim) == "cpp"
+    from_rows = _packed_from(choose_linears(want["linears"], device, dtype), linear_shapes(encoder), dtype, str(device))
+    if from_rows is not None:
+        pack_linears(encoder, from_rows=from_rows)
 
 
 def _quantization(quantization: str, name: str, device: str) -> tuple[str, str]:

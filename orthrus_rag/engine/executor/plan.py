@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -263,6 +264,9 @@ def _linears_cell(runner: Any, device: torch.device) -> Cell:
     groups = {"layers": (model.model, _packed_from(model.model)), "LM head": (head, _packed_from(head))}
     if runner.encoder is not None:
         groups["encoder"] = (runner.encoder, _packed_from(runner.encoder))
+    for name, encoder in getattr(runner, "encoders", {}).items():  # cross-encoder rerankers (engine/rerankers.py)
+        if name:
+            groups[f"reranker {Path(name).name}"] = (encoder, _packed_from(encoder))
     choice = "onednn" if any(v is not None for _, v in groups.values()) else "dense"
     body = ", ".join(f"{g} {_quantized(m) or ('dense' if v is None else 'oneDNN from ' + _rows(v))}"
                      for g, (m, v) in groups.items())
@@ -361,8 +365,11 @@ def describe(runner: Any) -> ExecutionPlan:
     if device.type == "cpu":
         cells.append(_decode_linears_cell(runner))
     cells += _attention_cells(runner, dtype, device)
-    if runner.encoder is not None:
-        cells.append(_encoder_cell(runner.encoder, dtype))
+    # NOTE: the embedding encoder's, else a reranker's: the choice is made for every encoder alike (loading.py)
+    encoder = runner.encoder if runner.encoder is not None else next(iter(getattr(runner, "encoders", {}).values()),
+                                                                      None)
+    if encoder is not None:
+        cells.append(_encoder_cell(encoder, dtype))
     if (lora := _lora_cell(model)) is not None:
         cells.append(lora)
     cells.append(Cell("sampler", "cpp", "C++ draw and argmax") if runner.sampler.use_kernel

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -58,10 +58,12 @@ PROMPT_LOGITS_ROWS = 256  # prompt rows turned into logits at a time (prompt log
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, dtype: torch.dtype,
                  encoder: torch.nn.Module | None = None, max_seq_len: int = 0,
-                 eos_token_ids: Collection[int] = ()) -> None:
+                 eos_token_ids: Collection[int] = (), cross_encoders: Mapping[str, torch.nn.Module] | None = None,
+                 ) -> None:
         """`num_blocks` KV blocks of `config.cache.block_size` tokens in `dtype` (the model's); attention, sampler and
         CUDA graphs as the execution plan chooses them for `config.model`'s kernels (engine/executor/plan.py); steps
-        of at most `config.scheduler`'s token budget."""
+        of at most `config.scheduler`'s token budget. `encoder`: the embedding model; `cross_encoders`: rerankers
+        by name, run as encoders too (a request's `encoder` names its model)."""
         want, device = config.model.requested_kernels(), torch.device(config.model.device)
         block_size, max_num_batched_tokens = config.cache.block_size, config.scheduler.max_num_batched_tokens
         self.model = model
@@ -71,6 +73,7 @@ class ModelRunner:
         self.vocab_size = int(model.lm_head.weight.shape[0])  # the logits' width (the grammar masks')
         self.masks = MaskFiller()
         self.encoder = encoder
+        self.encoders = {**({"": encoder} if encoder is not None else {}), **(cross_encoders or {})}
         self.block_size = block_size
         self.device = device
         # NOTE: asking for the sampler builds the extension here, at start-up, not in the first sampled step
@@ -258,8 +261,8 @@ class ModelRunner:
         out.prompt_logprobs[req.req_id] = (first + 1, scored)
 
     def _pool(self, req: Request, hidden: torch.Tensor, positions: torch.Tensor, n: int, out: RunnerOutput) -> None:
-        if req.pooler_state is None:
-            req.pooler_state = make_pooler_state(req.pooling_params, req.num_tokens)
+        if req.pooler_state is None:  # NOTE: a scored pair may start past a prefix the cache served
+            req.pooler_state = make_pooler_state(req.pooling_params, req.num_tokens, req.num_computed_tokens)
         req.pooler_state.update(hidden, positions)
         if req.num_computed_tokens + n == req.num_tokens:
             self._finish_pool(req, req.pooler_state.finish, out)
@@ -272,17 +275,27 @@ class ModelRunner:
             out.errors[req.req_id] = f"{type(exc).__name__}: {exc}"
 
     def _run_encoder(self, reqs: list[Request], out: RunnerOutput) -> None:
-        assert self.encoder is not None, "encoder requests without an encoder model"
-        ids = [tok for r in reqs for tok in r.prompt_token_ids]
-        positions = [p for r in reqs for p in range(r.num_tokens)]
-        seq_lens = [r.num_tokens for r in reqs]
-        hidden = self.encoder(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                              seq_lens)
-        out.num_encoder_rows += len(ids)
-        start = 0
-        for req, n in zip(reqs, seq_lens):
-            self._finish_pool(req, lambda h=hidden[start:start + n], r=req: pool_whole(h, r.pooling_params), out)
-            start += n
+        """One packed forward per encoder the step's encoder requests name (the embedding model, rerankers)."""
+        groups: dict[str, list[Request]] = defaultdict(list)
+        for req in reqs:
+            groups[req.encoder].append(req)
+        for name, group in groups.items():
+            encoder = self.encoders.get(name)
+            assert encoder is not None, f"encoder requests for {name or 'the embedding model'!r}, which is not loaded"
+            ids = [tok for r in group for tok in r.prompt_token_ids]
+            positions = [p for r in group for p in range(r.num_tokens)]
+            seq_lens = [r.num_tokens for r in group]
+            types = None
+            if any(r.token_type_ids is not None for r in group):
+                types = torch.tensor([t for r in group for t in (r.token_type_ids or [0] * r.num_tokens)],
+                                     device=self.device)
+            hidden = encoder(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                             seq_lens, types)
+            out.num_encoder_rows += len(ids)
+            start = 0
+            for req, n in zip(group, seq_lens):
+                self._finish_pool(req, lambda h=hidden[start:start + n], r=req: pool_whole(h, r.pooling_params), out)
+                start += n
 
 
 T = TypeVar("T")

@@ -16,6 +16,7 @@ from orthrus_rag.entrypoints.openai import generation, responses
 from orthrus_rag.entrypoints.openai.documents import Documents, add_document_routes
 from orthrus_rag.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from orthrus_rag.entrypoints.openai.metrics import ServerMetrics
+from orthrus_rag.entrypoints.openai.rerank import Rerank, add_rerank_routes
 from orthrus_rag.entrypoints.openai.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelCard,
                                          ModelList)
 from orthrus_rag.entrypoints.openai.responses import Responses, ResponsesRequest
@@ -56,6 +57,7 @@ def build_app(client: EngineClient, served_model_name: str | None = None, api_ke
     stores = VectorStores(documents)
     app.state.vector_stores = stores
     _add_routes(app, service, metrics, v1, Responses(service, stores))
+    add_rerank_routes(app, Rerank(service), v1, _IgnoredFields())
     add_document_routes(app, documents, v1)
     add_vector_store_routes(app, stores, v1)
     return app

@@ -219,7 +219,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "orthrus-rag"
-    kinds: list[str] = Field(default_factory=list)  # "generate", "embed": what requests may name it for
+    kinds: list[str] = Field(default_factory=list)  # "generate", "embed", "score": what requests may name it for
     parent: str | None = None  # an adapter's base model (vLLM's field for a LoRA)
     # an embedding adapter's prefixes by input type ("query", "document"), applied by the server for `input_type`
     input_prefixes: dict[str, str] = Field(default_factory=dict)

@@ -46,9 +46,11 @@ class ServedModels:
     generation: str
     embedding: dict[str, str | None] = field(default_factory=dict)  # name -> PoolingParams.adapter
     generators: dict[str, str | None] = field(default_factory=dict)  # name -> SamplingParams.adapter
+    rerankers: list[str] = field(default_factory=list)  # what /rerank and /score name (RerankParams.reranker)
 
     @classmethod
-    def of(cls, space: EmbeddingSpace, served_model_name: str | None = None) -> "ServedModels":
+    def of(cls, space: EmbeddingSpace, served_model_name: str | None = None,
+           rerankers: Sequence[str] = ()) -> "ServedModels":
         gen = served_model_name or space.model
         emb: dict[str, str | None] = {}
         if space.has_encoder:
@@ -60,14 +62,15 @@ class ServedModels:
         generators: dict[str, str | None] = {gen: None}
         for name in space.generation_adapters():
             generators.setdefault(name, name)
-        return cls(gen, emb, generators)
+        return cls(gen, emb, generators, list(rerankers))
 
     def kinds(self, name: str) -> list[str]:
-        return [k for k, names in (("generate", self.generators), ("embed", self.embedding)) if name in names]
+        return [k for k, names in (("generate", self.generators), ("embed", self.embedding),
+                                   ("score", self.rerankers)) if name in names]
 
     @property
     def names(self) -> list[str]:
-        return list(dict.fromkeys([self.generation, *self.generators, *self.embedding]))
+        return list(dict.fromkeys([self.generation, *self.generators, *self.embedding, *self.rerankers]))
 
 
 class OpenAIService:
@@ -76,7 +79,7 @@ class OpenAIService:
         self.client = client
         self.tokenizer = client.tokenizer
         self.space = client.embedding_space
-        self.models = ServedModels.of(self.space, served_model_name)
+        self.models = ServedModels.of(self.space, served_model_name, getattr(client, "reranker_names", ()))
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
         self.created = int(time.time())

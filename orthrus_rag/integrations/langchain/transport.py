@@ -19,6 +19,7 @@ from orthrus_rag.engine.clients.remote import RemoteClient
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.entrypoints.openai import generation
 from orthrus_rag.entrypoints.openai.errors import OpenAIError
+from orthrus_rag.entrypoints.openai.rerank import Rerank, RerankRequest
 from orthrus_rag.entrypoints.openai.schemas import ChatCompletionRequest, EmbeddingRequest
 from orthrus_rag.entrypoints.openai.service import OpenAIService, vector_of
 
@@ -49,6 +50,7 @@ class LocalOrthrus:
         self.service = OpenAIService(self.client, served_model_name)
         self.generation_model = self.service.models.generation
         self.embedding_models = list(self.service.models.embedding)
+        self.reranking = Rerank(self.service)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="orthrus-langchain-loop", daemon=True)
         self._thread.start()
@@ -104,6 +106,21 @@ class LocalOrthrus:
     async def aembed(self, texts: list[str], model: str, input_type: str | None = None,
                      priority: int = 0) -> list[list[float]]:
         return await self.acall(self._embed(texts, model, input_type, priority))
+
+    async def _rerank(self, query: str, documents: list[str], model: str | None,
+                      top_n: int | None) -> list[dict[str, Any]]:
+        body = await self.reranking.rerank(RerankRequest(model=model, query=query, documents=documents, top_n=top_n,
+                                                         return_documents=False))
+        return body["results"]
+
+    def rerank(self, query: str, documents: list[str], model: str | None = None,
+               top_n: int | None = None) -> list[dict[str, Any]]:
+        """/v1/rerank's `results` ({"index", "relevance_score"}, best first)."""
+        return self.call(self._rerank(query, documents, model, top_n))
+
+    async def arerank(self, query: str, documents: list[str], model: str | None = None,
+                      top_n: int | None = None) -> list[dict[str, Any]]:
+        return await self.acall(self._rerank(query, documents, model, top_n))
 
     def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
         return self.call(generation.chat(self.service, ChatCompletionRequest.model_validate(payload)))
@@ -207,6 +224,16 @@ class RemoteOrthrus:
                                                    extra_body=_extra_fields(input_type, priority))
         return [vector_of(d.embedding).tolist() for d in sorted(out.data, key=lambda d: d.index)]
 
+    def rerank(self, query: str, documents: list[str], model: str | None = None,
+               top_n: int | None = None) -> list[dict[str, Any]]:
+        """POST /v1/rerank through the openai client's own connection, key and retries."""
+        return self.client.post("/rerank", body=_rerank_body(query, documents, model, top_n), cast_to=object)["results"]
+
+    async def arerank(self, query: str, documents: list[str], model: str | None = None,
+                      top_n: int | None = None) -> list[dict[str, Any]]:
+        body = _rerank_body(query, documents, model, top_n)
+        return (await self.aclient.post("/rerank", body=body, cast_to=object))["results"]
+
     def chat(self, payload: dict[str, Any]) -> dict[str, Any]:
         return self.client.chat.completions.create(**payload).model_dump()
 
@@ -236,6 +263,15 @@ def make_transport(engine: Any = None, base_url: str | None = None, api_key: str
     if engine is not None:
         return LocalOrthrus.of(engine)
     return RemoteOrthrus(base_url, api_key, timeout, max_retries)
+
+
+def _rerank_body(query: str, documents: list[str], model: str | None, top_n: int | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"query": query, "documents": documents, "return_documents": False}
+    if model is not None:
+        body["model"] = model
+    if top_n is not None:
+        body["top_n"] = top_n
+    return body
 
 
 def _extra_fields(input_type: str | None, priority: int) -> dict[str, Any] | None:
