@@ -398,3 +398,19 @@ def test_no_bulk_request_is_admitted_while_a_serving_one_waits_for_blocks():
             break
         eng.step()
     assert big.is_finished and doc.is_finished
+
+
+def test_scored_pairs_and_embeddings_alternate_in_the_embedding_queue():
+    """A rerank call's burst of pairs does not queue every embedding behind it: waiting pairs and embeddings
+    alternate, each kind in its own arrival order (a pair is embedding work: the same lane)."""
+    from orthrus_rag.engine.core.request import Request, RequestKind
+
+    eng = _engine("orthrus")
+    pairs = [Request(f"s{i}", RequestKind.SCORE, list(range(1, 40)), pooling_params=PoolingParams(pooling="last"))
+             for i in range(4)]
+    embeds = [make_request(f"e{i}", "embed", 10) for i in range(2)]
+    for r in pairs + embeds:
+        eng.add(r)
+    assert [r.req_id for r in eng.scheduler.pending(embed=True)] == ["e0", "s0", "e1", "s1", "s2", "s3"]
+    eng.run([])
+    assert all(r.is_finished for r in pairs + embeds)
