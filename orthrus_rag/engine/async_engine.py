@@ -128,13 +128,7 @@ class AsyncEngine:
 
     async def embed_many(self, texts: Sequence[str | Sequence[int]],
                          params: PoolingParams | None = None) -> list[EmbeddingOutput]:
-        tasks = [asyncio.ensure_future(self.embed(t, params)) for t in texts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:  # NOTE: cancelling an awaiter aborts its request: no orphaned engine work
-                task.cancel()
-            raise
+        return await _all([self.embed(t, params) for t in texts])
 
     def embed_sync(self, texts: Sequence[str | Sequence[int]],
                    params: PoolingParams | None = None) -> list[EmbeddingOutput]:
@@ -164,13 +158,7 @@ class AsyncEngine:
                           params: RerankParams | None = None) -> list[ScoreOutput]:
         """(query, document) pairs scored in the shared steps, in order. A bad pair fails the call (ValueError
         naming it) and the others are aborted."""
-        tasks = [asyncio.ensure_future(self._score(pair, params)) for pair in pairs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:  # NOTE: cancelling an awaiter aborts its request: no orphaned engine work
-                task.cancel()
-            raise
+        return await _all([self._score(pair, params) for pair in pairs])
 
     async def _score(self, pair: tuple[str, str], params: RerankParams | None) -> ScoreOutput:
         out = await self._await(self._submit(RequestKind.SCORE, None, pair, params, stream=False))
@@ -393,3 +381,14 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):  # NOTE: the event loop may be closed under us: nobody to tell
             self._flush()
 
+
+async def _all(coros: list[Any]) -> list[Any]:
+    """Every result in order; if one fails (or the caller is cancelled), the rest are cancelled, which aborts their
+    engine requests: no orphaned work."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
