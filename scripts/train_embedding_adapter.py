@@ -31,6 +31,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,32 @@ def batch_loss(student_q: torch.Tensor, student_d: torch.Tensor, teacher_q: torc
     return loss, parts
 
 
+def train_steps(args: argparse.Namespace, triples: list[Triple],
+                loss_on: Callable[[list[Triple]], tuple[torch.Tensor, dict]],
+                optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The recipes' loop: `args.steps` AdamW steps over seeded batches of `args.batch_size` triples (a new seeded
+    order each epoch), stopped early past `args.max_minutes`; the loss history."""
+    history, start, order = [], time.perf_counter(), list(range(len(triples)))
+    rng, cursor = random.Random(args.seed), len(order)
+    for step in range(args.steps):
+        if cursor + args.batch_size > len(order):  # a new epoch, in a new (seeded) order
+            rng.shuffle(order)
+            cursor = 0
+        batch = [triples[i] for i in order[cursor:cursor + args.batch_size]]
+        cursor += args.batch_size
+        loss, parts = loss_on(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        history.append({"step": step, "loss": float(loss.detach()), **parts})
+        if step % args.log_every == 0:
+            logger.info("step %d loss %.4f %s (%.0f s)", step, float(loss.detach()), parts, time.perf_counter() - start)
+        if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
+            logger.info("stopping at step %d: --max-minutes %s reached", step, args.max_minutes)
+            break
+    return history
+
+
 def train(args: argparse.Namespace) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -163,24 +190,8 @@ def train(args: argparse.Namespace) -> dict:
     peft_model.train()
     with torch.no_grad():
         probe_before = float(loss_on(probe)[0])
-    history, start, order = [], time.perf_counter(), list(range(len(triples)))
-    rng, cursor = random.Random(args.seed), len(order)
-    for step in range(args.steps):
-        if cursor + args.batch_size > len(order):  # a new epoch, in a new (seeded) order
-            rng.shuffle(order)
-            cursor = 0
-        batch = [triples[i] for i in order[cursor:cursor + args.batch_size]]
-        cursor += args.batch_size
-        loss, parts = loss_on(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        history.append({"step": step, "loss": float(loss.detach()), **parts})
-        if step % args.log_every == 0:
-            logger.info("step %d loss %.4f %s (%.0f s)", step, float(loss.detach()), parts, time.perf_counter() - start)
-        if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
-            logger.info("stopping at step %d: --max-minutes %s reached", step, args.max_minutes)
-            break
+    start = time.perf_counter()
+    history = train_steps(args, triples, loss_on, optimizer)
     with torch.no_grad():
         probe_after = float(loss_on(probe)[0])
     if args.full:

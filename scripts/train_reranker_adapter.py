@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_embedding_adapter import TARGETS, Triple, make_triples  # noqa: E402 (a sibling script)
+from train_embedding_adapter import TARGETS, Triple, make_triples, train_steps  # noqa: E402 (a sibling script)
 
 from orthrus_rag.engine.rerankers import DEFAULT_INSTRUCTION, BackboneReranker  # noqa: E402
 from orthrus_rag.models.registry import resolve_model_path  # noqa: E402
@@ -106,24 +106,8 @@ def train(args: argparse.Namespace) -> dict:
     peft_model.train()  # NOTE: no dropout anywhere, so train mode is deterministic
     before = held_out(pairs, peft_model, evaluation, args.batch_size)
     logger.info("held out before: %s", before)
-    history, start, order = [], time.perf_counter(), list(range(len(triples)))
-    rng, cursor = random.Random(args.seed), len(order)
-    for step in range(args.steps):
-        if cursor + args.batch_size > len(order):  # a new epoch, in a new (seeded) order
-            rng.shuffle(order)
-            cursor = 0
-        batch = [triples[i] for i in order[cursor:cursor + args.batch_size]]
-        cursor += args.batch_size
-        loss, parts = batch_loss(pairs, peft_model, batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        history.append({"step": step, "loss": float(loss.detach()), **parts})
-        if step % args.log_every == 0:
-            logger.info("step %d loss %.4f %s (%.0f s)", step, float(loss.detach()), parts, time.perf_counter() - start)
-        if args.max_minutes and time.perf_counter() - start > 60 * args.max_minutes:
-            logger.info("stopping at step %d: --max-minutes %s reached", step, args.max_minutes)
-            break
+    start = time.perf_counter()
+    history = train_steps(args, triples, lambda batch: batch_loss(pairs, peft_model, batch), optimizer)
     seconds = time.perf_counter() - start
     after = held_out(pairs, peft_model, evaluation, args.batch_size)
     logger.info("held out after: %s", after)
