@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--work", type=Path, default=Path("runs/bench_rerank"))
     ap.add_argument("--out", type=Path, default=None, help="the results file (docs/benchmarks/results/X.json)")
+    ap.add_argument("--resume", action="store_true",
+                    help="read back the runs that finished in --work (same questions, rerankers and machine) "
+                         "instead of running them again")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     work = args.work.resolve()
@@ -104,14 +107,22 @@ def main(argv: list[str] | None = None) -> int:
     if not (index / "index" / "manifest.json").is_file():
         run(cli + ["index", "dataset=2wiki", f"dataset.path={args.questions}", f"run_dir={index}"], work / "index.log")
     rows = []
-    for setting, overrides in settings([r for r in args.rerankers.split(",") if r], args.candidates,
-                                       args.top_k).items():
-        for method in [m for m in args.methods.split(",") if m]:
+    # NOTE: method by method, so the quality of every setting (standard RAG, the fast one) is in before the
+    # Iter-RetGen timings; with --resume a run that finished (its summary.json) is read, not run again
+    for method in [m for m in args.methods.split(",") if m]:
+        for setting, overrides in settings([r for r in args.rerankers.split(",") if r], args.candidates,
+                                           args.top_k).items():
             run_dir = work / "runs" / f"{setting.replace('/', '_')}-{method}"
-            run(cli + ["run", *common, f"retriever.index_dir={index / 'index'}", f"run_dir={run_dir}",
-                       *METHODS[method], *overrides, *(adapters if setting != "none" else [])],
-                work / f"{run_dir.name}.log")
-            rows.append(row(setting, method, json.loads((run_dir / "summary.json").read_text())))
+            summary = run_dir / "summary.json"
+            if args.resume and summary.is_file():
+                logger.info("%s %s: finished before (%s), read back", setting, method, summary)
+            else:
+                if summary.is_file():
+                    summary.unlink()  # NOTE: a stale summary must not stand in for a run that fails now
+                run(cli + ["run", *common, f"retriever.index_dir={index / 'index'}", f"run_dir={run_dir}",
+                           *METHODS[method], *overrides, *(adapters if setting != "none" else [])],
+                    work / f"{run_dir.name}.log")
+            rows.append(row(setting, method, json.loads(summary.read_text())))
             logger.info("%s %s: recall@5 %.3f, EM %.3f, %.3f q/s", setting, method, rows[-1]["recall@5"],
                         rows[-1]["em"], rows[-1]["qps"])
     print(table(rows))

@@ -8,6 +8,7 @@ settings, each experiment module's CONFIG (scripts/bench/experiments/<name>.py) 
     python scripts/benchmark.py experiment=poisson
     python scripts/benchmark.py experiment=iter_retgen experiment.dataset_path=dev.jsonl  # 2WikiMultihopQA dev
     python scripts/benchmark.py experiment=chunk_equivalence
+    python scripts/benchmark.py experiment=rerank_mix     # rerank calls beside chat and embeddings (orthrus, dedicated)
 
 Override anything on the command line, e.g. `systems=[orthrus,dedicated] peers=[] experiment.duration_s=10`;
 `report_only=true` redraws table.md and the plots from the run's results.json (experiments that store `runs`).

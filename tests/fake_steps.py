@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from orthrus_rag.config import SchedulerConfig
 from orthrus_rag.engine.core.block_manager import BlockManager
 from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
-from orthrus_rag.engine.core.scheduler import Scheduler, SchedulerOutput
+from orthrus_rag.engine.core.scheduler import Scheduler
+from orthrus_rag.engine.core.step_output import SchedulerOutput
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.params import PoolingParams, SamplingParams
 

@@ -42,7 +42,8 @@ def compose_bench(experiment: str, tmp_path: Path, *overrides: str):
 def test_every_experiment_config_composes(tmp_path):
     names = _script().register_experiments()
     assert names == sorted(p.stem for p in (ROOT / "scripts" / "bench" / "experiments").glob("*.py"))
-    assert {"ratio_sweep", "three_phase", "fcfs_blocking", "poisson", "iter_retgen", "chunk_equivalence"} <= set(names)
+    assert {"ratio_sweep", "three_phase", "fcfs_blocking", "poisson", "iter_retgen", "chunk_equivalence",
+            "rerank_mix"} <= set(names)
     for name in names:
         cfg = compose_bench(name, tmp_path)
         assert cfg.experiment.name == name
@@ -62,7 +63,7 @@ def test_an_experiment_overrides_the_shared_settings_and_the_command_line_overri
 
 def test_ratio_sweep_with_a_peer(bench_script, tmp_path):
     cfg = compose_bench("ratio_sweep", tmp_path, "systems=[orthrus,orthrus+slo,hetero-fcfs]", "peers=[hf]",
-                        'experiment.ratios=["9:1","1:9"]', "experiment.clients=4", "experiment.duration_s=3", "experiment.warmup_s=0",
+                        'experiment.ratios=["9:1","1:9"]', "experiment.clients=4", "experiment.duration_s=3", 'experiment.mixes=["4:2:4"]', "experiment.warmup_s=0",
                         "++peer_options.hf.cb_num_blocks=64")
     bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())
@@ -121,6 +122,24 @@ def test_poisson_submits_on_schedule_per_rate(bench_script, tmp_path):
     for run in res["runs"]["orthrus"].values():  # arrivals inside the window, latency from the scheduled time
         assert all(0 <= r["start_s"] < 2 and r["finish_s"] >= r["start_s"] for r in run["records"])
     assert (tmp_path / "latency_throughput.png").stat().st_size > 0
+
+
+def test_rerank_mix_scores_in_the_one_loop_and_in_the_pooling_worker(bench_script, tmp_path):
+    cfg = compose_bench("rerank_mix", tmp_path, "experiment.clients=4", "experiment.duration_s=3",
+                        "experiment.warmup_s=0", "experiment.documents=3", 'experiment.mixes=["4:2:4"]')
+    assert list(cfg.systems) == ["orthrus", "dedicated"] and list(cfg.model.rerankers) == ["backbone"]
+    bench_script.run(cfg)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert {r["system"] for r in res["rows"]} == {"orthrus", "dedicated"}
+    for r in res["rows"]:
+        assert r["kinds"]["score"]["completed"] > 0 and r["unfinished"] == 0
+        assert all(k["errors"] == 0 for k in r["kinds"].values())
+    for run in res["runs"].values():
+        assert all(rec["num_output_tokens"] == 3 for rec in run["4:2:4"]["records"] if rec["kind"] == "score")
+    table = (tmp_path / "table.md").read_text()
+    assert "rerank calls/s" in table and table.count("| 4:2:4 |") == 2
+    for name in ("rerank_mix.png", "latency_cdf_4-2-4.png"):
+        assert (tmp_path / name).stat().st_size > 1000
 
 
 def test_iter_retgen_runs_every_system_through_the_same_app(bench_script, tmp_path):

@@ -14,7 +14,15 @@ from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
 from orthrus_rag.params import PoolingParams, SamplingParams, StructuredOutputsParams
 from scripts.bench.driver import closed_loop, open_loop, summarize
 from scripts.bench.report import markdown_table, plot_latency_cdf, plot_step_mix, plot_throughput, write_json
-from scripts.bench.workloads import RequestSpec, Workload, fcfs_blocking, mixed_stream, poisson, three_phase
+from scripts.bench.workloads import (
+    RequestSpec,
+    Workload,
+    fcfs_blocking,
+    mixed_stream,
+    poisson,
+    rerank_stream,
+    three_phase,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.bench]  # builds engines; tests the benchmark harness (make test-bench)
 
@@ -48,6 +56,11 @@ class FakeClient:
 
     async def generate(self, prompt: str, params: object = None, request_id: str | None = None) -> object:
         return await self._serve(request_id, prompt, 4, GenerationOutput(request_id, [], [1, 2], "ab", "length"))
+
+    async def score(self, query: str, documents: list[str], params: object = None) -> list[float]:
+        """A rerank call: 1 tick per document; a query starting with "fail" raises."""
+        await self._serve(f"s-{query}", query, len(documents), None)
+        return [0.5] * len(documents)
 
     async def aclose(self) -> None:
         pass
@@ -86,6 +99,27 @@ def test_workloads_are_deterministic_and_mixed():
     assert [sum(r.kind == "embed" for r in p) for p in phases][0] < 30 < 70 < sum(r.kind == "embed" for r in phases[2])
     arrivals = [r.arrival_s for r in poisson(50.0, 100, 0.5, w)]
     assert arrivals == sorted(arrivals) and 1.0 < arrivals[-1] < 4.0
+
+
+def test_rerank_calls_are_a_third_kind_in_the_stream_and_the_summary():
+    w = Workload(words=8, max_tokens=4, seed=3)
+    reqs = [next(s) for s in [rerank_stream(0.3, 0.2, w, documents=4)] for _ in range(300)]
+    shares = {k: sum(r.kind == k for r in reqs) / len(reqs) for k in ("embed", "score", "generate")}
+    assert 0.2 < shares["embed"] < 0.4 and 0.1 < shares["score"] < 0.3 and shares["generate"] > 0.4
+    query, docs = next(r.input for r in reqs if r.kind == "score")
+    assert len(docs) == 4 and len(query.split()) == 2 and all(len(d.split()) == 8 for d in docs)
+    again = [next(s) for s in [rerank_stream(0.3, 0.2, w, documents=4)] for _ in range(300)]
+    assert [r.input for r in again] == [r.input for r in reqs]
+    with pytest.raises(ValueError, match="sum of at most 1"):
+        next(rerank_stream(0.7, 0.5, w, documents=4))
+    res = asyncio.run(closed_loop(FakeClient(), iter(reqs[:40]), concurrency=4))
+    s = summarize(res)
+    assert set(s["kinds"]) == {"embed", "generate", "score"} and s["unfinished"] == 0
+    assert sum(k["completed"] for k in s["kinds"].values()) == 40 and s["kinds"]["score"]["completed"] > 0
+    assert all(r.num_output_tokens == 4 for r in res.records if r.kind == "score")
+    # a run without rerank calls keeps the two kinds its tables and plots show
+    plain = asyncio.run(closed_loop(FakeClient(), mixed_stream(0.5, w), concurrency=2, max_requests=6))
+    assert set(summarize(plain)["kinds"]) == {"embed", "generate"}
 
 
 def test_closed_loop_counts_per_kind_and_bounds_concurrency():

@@ -135,6 +135,26 @@ def test_langchain_reranker_over_http(server):
     assert reranker.compress_documents([], QUERY) == []
 
 
+def test_remote_client_scores_through_the_server(server):
+    from orthrus_rag.engine.clients import RemoteClient
+
+    thread, want, cross = server
+    client = RemoteClient(thread.url)
+    assert client.reranker_names == ["backbone", cross]
+
+    async def main():
+        try:
+            return [await client.score(QUERY, DOCS, RerankParams(reranker=name)) for name in ("backbone", cross)]
+        finally:
+            await client.aclose()
+
+    got = asyncio.run(main())
+    assert got[0] == pytest.approx(want["backbone"], abs=1e-5)  # in the documents' order, not best first
+    assert got[1] == pytest.approx(want[cross], abs=1e-5)
+    with pytest.raises(ValueError, match="truncate=False"):
+        asyncio.run(client.score(QUERY, DOCS, RerankParams(truncate=False)))
+
+
 def test_langchain_reranker_in_process(smol_engine):
     from langchain_core.documents import Document
 

@@ -134,7 +134,7 @@ def test_a_steps_shape_counts_the_rows_that_sample():
     """Every decode and a prompt's last chunk produce a token (the LM head and the sampler run for them); a prompt's
     earlier chunk and an embedding chunk do not."""
     from orthrus_rag.engine.core.request import Request, RequestKind
-    from orthrus_rag.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+    from orthrus_rag.engine.core.step_output import ScheduledRequest, SchedulerOutput
     from orthrus_rag.params import PoolingParams, SamplingParams
 
     def req(kind: RequestKind, n: int, computed: int) -> Request:

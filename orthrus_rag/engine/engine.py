@@ -21,7 +21,8 @@ from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.batch_calls import BatchCalls
 from orthrus_rag.engine.core.block_manager import BlockManager, PrefixCachingBlockManager
 from orthrus_rag.engine.core.request import Request, RequestKind, RequestStatus
-from orthrus_rag.engine.core.scheduler import Scheduler, StepResult
+from orthrus_rag.engine.core.scheduler import Scheduler
+from orthrus_rag.engine.core.step_output import StepResult
 from orthrus_rag.engine.continuation import Continuations
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.engine.executor.calibration import calibrate

@@ -28,6 +28,7 @@ from .workloads import RequestSpec
 
 logger = logging.getLogger(__name__)
 KINDS = ("embed", "generate")
+SCORE = "score"  # a rerank call (workloads.make_score_request): summarized only in runs that send one
 
 
 @dataclass
@@ -36,7 +37,7 @@ class RequestRecord:
     kind: str
     start_s: float  # seconds after the run started
     finish_s: float | None = None
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # a score request: the documents it scored
     error: str | None = None
     tags: dict = field(default_factory=dict)
 
@@ -156,8 +157,13 @@ class _Tracker:
         return task
 
     async def _serve(self, kind: RequestKind, req: RequestSpec, rec: RequestRecord) -> None:
-        call = self.client.generate if kind is RequestKind.GENERATE else self.client.embed
         try:
+            if kind is RequestKind.SCORE:
+                query, documents = req.input
+                scores = await self.client.score(query, list(documents), req.params)  # type: ignore[attr-defined]
+                rec.finish_s, rec.num_output_tokens = self.now(), len(scores)
+                return
+            call = self.client.generate if kind is RequestKind.GENERATE else self.client.embed
             out = await call(req.input, req.params, req.request_id)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 (this request's failure, recorded; the run goes on)
             rec.finish_s, rec.error = self.now(), f"{type(exc).__name__}: {exc}"
@@ -257,7 +263,7 @@ def summarize(result: RunResult) -> dict:
     out: dict = {"label": result.label, "window_s": result.window_s, "kinds": {},
                  "unfinished": sum(r.finish_s is None for r in result.records)}
     measured = result.window_s - result.warmup_s
-    for kind in KINDS:
+    for kind in (*KINDS, SCORE) if any(r.kind == SCORE for r in result.records) else KINDS:
         done = [r for r in result.records if r.kind == kind and r.finish_s is not None
                 and result.warmup_s < r.finish_s <= result.window_s + 1e-9 and r.error is None]
         lat = np.array([r.latency_s for r in done]) if done else np.zeros(0)

@@ -10,7 +10,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.params import PoolingParams, RerankParams, SamplingParams
 
 # NOTE: common one-token English words, so N words stay close to N..1.5N SmolLM2 tokens
 VOCAB = ("the river runs past old mills and quiet towns toward a distant grey sea where ships wait for "
@@ -45,10 +45,10 @@ class Workload:
 
 @dataclass
 class RequestSpec:
-    kind: str  # "embed" | "generate"
+    kind: str  # "embed" | "generate" | "score"
     request_id: str
-    input: str
-    params: SamplingParams | PoolingParams
+    input: str | tuple[str, tuple[str, ...]]  # a score request: (query, documents), one call scoring them all
+    params: SamplingParams | PoolingParams | RerankParams
     arrival_s: float = 0.0  # open loop: offset from the start of the run
     tags: dict[str, object] = field(default_factory=dict)  # e.g. {"phase": 2}
 
@@ -66,6 +66,14 @@ def make_request(rng: random.Random, kind: str, request_id: str, w: Workload) ->
     return RequestSpec(kind, request_id, text, params)
 
 
+def make_score_request(rng: random.Random, request_id: str, w: Workload, documents: int) -> RequestSpec:
+    """A rerank call as a RAG pipeline makes one: a short query (a quarter of `words`) and `documents` passages of
+    `words` each, all scored in one call (its latency is the whole call's)."""
+    query = make_text(rng, max(1, w.draw(rng, w.words) // 4))
+    docs = tuple(make_text(rng, w.draw(rng, w.words)) for _ in range(documents))
+    return RequestSpec("score", request_id, (query, docs), RerankParams())
+
+
 def mixed_stream(p_embed: float, w: Workload, prefix: str = "r", tags: dict | None = None,
                  ) -> Iterator[RequestSpec]:
     """Endless requests: embedding with probability `p_embed`, else generation (the ratio sweep)."""
@@ -78,6 +86,25 @@ def mixed_stream(p_embed: float, w: Workload, prefix: str = "r", tags: dict | No
         req = make_request(rng, kind, f"{prefix}-{i}", w)
         req.tags.update(tags or {})
         yield req
+        i += 1
+
+
+def rerank_stream(p_embed: float, p_score: float, w: Workload, documents: int, prefix: str = "r",
+                  ) -> Iterator[RequestSpec]:
+    """Endless requests of three kinds: an embedding with probability `p_embed`, a rerank call (`documents`
+    passages against one query) with probability `p_score`, else a generation."""
+    if not (0.0 <= p_embed and 0.0 <= p_score and p_embed + p_score <= 1.0):
+        raise ValueError(f"shares must be non-negative with a sum of at most 1, got embed {p_embed}, score {p_score}")
+    if documents < 1:
+        raise ValueError(f"documents must be positive, got {documents}")
+    rng = random.Random(f"{w.seed}-{p_embed}-{p_score}-{prefix}")
+    i = 0
+    while True:
+        draw, rid = rng.random(), f"{prefix}-{i}"
+        if draw < p_score:
+            yield make_score_request(rng, rid, w, documents)
+        else:
+            yield make_request(rng, "embed" if draw < p_score + p_embed else "generate", rid, w)
         i += 1
 
 

@@ -26,7 +26,7 @@ import torch
 
 from orthrus_rag.engine.clients.protocol import InFlight
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, RerankParams, SamplingParams
 
 # PoolingParams fields a request may set over HTTP: the rest are the server's (its model's pooling)
 _REMOTE_POOLING = {"adapter", "instruction", "truncate", "priority", "input_type"}
@@ -56,6 +56,7 @@ class RemoteClient:
         # NOTE: an async client's connections belong to one event loop; each loop gets its own
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
         self._space: EmbeddingSpace | None = None
+        self._rerankers: list[str] | None = None
         self._counted = InFlight()
         self._ids = itertools.count()
         # request id -> (prompt + output token ids, params) of generations that held their KV on the server
@@ -218,6 +219,28 @@ class RemoteClient:
                    params: PoolingParams | None = None) -> list[EmbeddingOutput]:
         return _embeddings(self.sync_client.embeddings.create(**self._embedding_args(texts, params)))
 
+    # ---- reranking -----------------------------------------------------------------------------------------------
+    @property
+    def reranker_names(self) -> list[str]:
+        """The server's rerankers (GET /v1/models: the cards a score request may name), its default first."""
+        if self._rerankers is None:
+            self._rerankers = [c.id for c in self.sync_client.models.list() if "score" in (getattr(c, "kinds", None)
+                                                                                            or [])]
+        return self._rerankers
+
+    async def score(self, query: str, documents: Sequence[str], params: RerankParams | None = None) -> list[float]:
+        """Each document's relevance to `query`, in the documents' order: one POST /v1/rerank, so the server scores
+        them together (in the steps that serve its chat and embeddings)."""
+        if isinstance(documents, str):
+            raise TypeError("documents must be a list of strings, not one string")
+        body = _rerank_body(query, list(documents), params)
+        with self._counted(len(documents)):
+            out = await self.async_client().post("/rerank", body=body, cast_to=object)
+        scores = [float("nan")] * len(documents)
+        for item in out["results"]:
+            scores[item["index"]] = float(item["relevance_score"])
+        return scores
+
     async def abort(self, request_id: str) -> bool:
         return False  # NOTE: over HTTP a request stops when its caller stops awaiting it (the server aborts it)
 
@@ -240,6 +263,19 @@ class RemoteClient:
             client = self._async[loop] = openai.AsyncOpenAI(**self._kwargs)
         return client
 
+
+
+def _rerank_body(query: str, documents: list[str], params: RerankParams | None) -> dict[str, Any]:
+    """/v1/rerank's body for `params` (the server truncates a pair that does not fit, as Cohere's API does)."""
+    params = params or RerankParams()
+    if not params.truncate:
+        raise ValueError("a served reranker cuts a pair that does not fit; truncate=False cannot be asked over HTTP")
+    body: dict[str, Any] = {"query": query, "documents": documents, "return_documents": False}
+    for key, value in (("model", params.reranker), ("instruction", params.instruction),
+                       ("priority", params.priority or None)):
+        if value is not None:
+            body[key] = value
+    return body
 
 
 def _embeddings(out: Any) -> list[EmbeddingOutput]:

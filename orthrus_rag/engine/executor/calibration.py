@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from orthrus_rag.engine.core.request import Request, RequestKind
-from orthrus_rag.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from orthrus_rag.engine.core.step_output import ScheduledRequest, SchedulerOutput
 from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.params import PoolingParams
 

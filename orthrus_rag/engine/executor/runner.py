@@ -17,7 +17,7 @@ import torch
 
 from orthrus_rag.config import EngineConfig
 from orthrus_rag.engine.core.request import Request
-from orthrus_rag.engine.core.scheduler import SchedulerOutput
+from orthrus_rag.engine.core.step_output import SchedulerOutput
 from orthrus_rag.engine.executor.cuda_graphs import DecodeGraphs
 from orthrus_rag.engine.executor.plan import (choose_attention, choose_cuda_graphs, choose_decode, choose_prefill,
                                                choose_sampler)
