@@ -26,7 +26,8 @@ from typing import Any
 logger = logging.getLogger("bench_rerank")
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"standard": ["pipeline=standard_rag"], "iter_retgen": ["pipeline=iter_retgen", "pipeline.iterations=3"]}
-METRICS = ("recall@5", "em", "f1", "acc")
+METRICS = ("recall@2", "recall@5", "em", "f1", "acc")
+METHOD_LABELS = {"standard": "standard RAG", "iter_retgen": "Iter-RetGen (3 rounds)"}
 
 
 def settings(rerankers: list[str], candidates: int, top_k: int) -> dict[str, list[str]]:
@@ -36,6 +37,12 @@ def settings(rerankers: list[str], candidates: int, top_k: int) -> dict[str, lis
         out[r] = [f"retriever.k={candidates}", f"pipeline.top_k={top_k}", f"model.rerankers=[{r}]",
                   "pipeline.reranker=default"]
     return out
+
+
+def loads(setting: str, adapters: dict[str, str]) -> list[str]:
+    """The adapter a `backbone+NAME` setting reads through, and no other (a setting runs with what it names)."""
+    _, plus, name = setting.partition("+")
+    return [adapters[name]] if plus and name in adapters else []
 
 
 def row(setting: str, method: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -61,20 +68,28 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Recall@5 and Iter-RetGen's q/s per setting, side by side."""
+    """Standard RAG's recall@5 per setting, and questions/s per setting for each method measured."""
     sys.path.insert(0, str(ROOT / "scripts"))
+    import numpy as np
     from bench.report import _plt, _save, caption
 
     rows = results["results"]["rows"]
     names = list(dict.fromkeys(r["setting"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, (method, key, label) in zip(axes, (("standard", "recall@5", "recall@5 (standard RAG)"),
-                                               ("iter_retgen", "qps", "questions / s (Iter-RetGen)"))):
-        values = [next((r[key] for r in rows if r["setting"] == n and r["method"] == method), 0.0) for n in names]
-        ax.bar(range(len(names)), values)
-        ax.set_xticks(range(len(names)), names, fontsize=8)
-        ax.set_title(label, fontsize=9)
+    fig, (ax_r, ax_q) = plt.subplots(1, 2, figsize=(9, 3.6))
+    ax_r.bar(range(len(names)), [next((r["recall@5"] for r in rows if r["setting"] == n and r["method"] == "standard"),
+                                      0.0) for n in names])
+    ax_r.set_title("recall@5 (standard RAG)", fontsize=9)
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        xs = np.arange(len(names)) + (j - (len(methods) - 1) / 2) * width
+        ax_q.bar(xs, [next((r["qps"] for r in rows if r["setting"] == n and r["method"] == method), 0.0)
+                      for n in names], width, label=METHOD_LABELS.get(method, method))
+    ax_q.set_title("questions / s", fontsize=9)
+    ax_q.legend(fontsize=7)
+    for ax in (ax_r, ax_q):
+        ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.grid(alpha=0.3, axis="y")
     caption(fig, results["machine"], results.get("measured"))
     return [_save(fig, Path(out_dir) / results["plots"][0])]
@@ -96,15 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="read back the runs that finished in --work (same questions, rerankers and machine) "
                          "instead of running them again")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: the table and --out from the runs that finished in --work")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "orthrus_rag.entrypoints.cli"]
     common = ["dataset=2wiki", f"dataset.path={args.questions}", f"dataset.limit={args.limit}", "progress=false"]
-    adapters = [f"+model.adapters.{name}={folder}" for name, _, folder in (a.partition("=") for a in args.adapter)]
+    adapters = {name: f"+model.adapters.{name}={folder}" for name, _, folder in (a.partition("=") for a in args.adapter)}
     index = work / "index"
-    if not (index / "index" / "manifest.json").is_file():
+    if not args.report_only and not (index / "index" / "manifest.json").is_file():
         run(cli + ["index", "dataset=2wiki", f"dataset.path={args.questions}", f"run_dir={index}"], work / "index.log")
     rows = []
     # NOTE: method by method, so the quality of every setting (standard RAG, the fast one) is in before the
@@ -114,13 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                                            args.top_k).items():
             run_dir = work / "runs" / f"{setting.replace('/', '_')}-{method}"
             summary = run_dir / "summary.json"
-            if args.resume and summary.is_file():
+            if args.report_only and not summary.is_file():
+                logger.warning("%s %s: not run yet (no %s); left out", setting, method, summary)
+                continue
+            if (args.resume or args.report_only) and summary.is_file():
                 logger.info("%s %s: finished before (%s), read back", setting, method, summary)
             else:
                 if summary.is_file():
                     summary.unlink()  # NOTE: a stale summary must not stand in for a run that fails now
                 run(cli + ["run", *common, f"retriever.index_dir={index / 'index'}", f"run_dir={run_dir}",
-                           *METHODS[method], *overrides, *(adapters if setting != "none" else [])],
+                           *METHODS[method], *overrides, *loads(setting, adapters)],
                     work / f"{run_dir.name}.log")
             rows.append(row(setting, method, json.loads(summary.read_text())))
             logger.info("%s %s: recall@5 %.3f, EM %.3f, %.3f q/s", setting, method, rows[-1]["recall@5"],

@@ -63,7 +63,7 @@ def test_an_experiment_overrides_the_shared_settings_and_the_command_line_overri
 
 def test_ratio_sweep_with_a_peer(bench_script, tmp_path):
     cfg = compose_bench("ratio_sweep", tmp_path, "systems=[orthrus,orthrus+slo,hetero-fcfs]", "peers=[hf]",
-                        'experiment.ratios=["9:1","1:9"]', "experiment.clients=4", "experiment.duration_s=3", 'experiment.mixes=["4:2:4"]', "experiment.warmup_s=0",
+                        'experiment.ratios=["9:1","1:9"]', "experiment.clients=4", "experiment.duration_s=3", "experiment.warmup_s=0",
                         "++peer_options.hf.cb_num_blocks=64")
     bench_script.run(cfg)
     res = json.loads((tmp_path / "results.json").read_text())

@@ -22,6 +22,12 @@ def test_settings_compare_no_reranking_with_each_reranker():
                                "pipeline.reranker=default"]
 
 
+def test_a_setting_loads_only_the_adapter_it_names():
+    adapters = {"r": "+model.adapters.r=/a", "q": "+model.adapters.q=/b"}
+    assert bench_rerank.loads("backbone+r", adapters) == ["+model.adapters.r=/a"]
+    assert bench_rerank.loads("backbone", adapters) == bench_rerank.loads("none", adapters) == []
+
+
 def test_rows_table_and_plot(tmp_path):
     summary = {"num_questions": 4, "throughput_qps": 2.0, "latency_s": {"p99": 1.5}, "retrieve_s": {"mean": 0.1},
                "wall_time_s": 2.0, "recall@5": 0.5, "em": 0.25, "f1": 0.4, "acc": 0.5}
@@ -31,3 +37,19 @@ def test_rows_table_and_plot(tmp_path):
     results = {"machine": "test CPU", "measured": "2026-01-01", "plots": ["rerank.png"], "results": {"rows": rows}}
     (png,) = bench_rerank.plot_results(results, tmp_path)
     assert png.is_file() and png.stat().st_size > 1000
+
+
+def test_report_only_reads_the_finished_runs_back(tmp_path):
+    import json
+
+    summary = {"num_questions": 4, "throughput_qps": 2.0, "latency_s": {"p99": 1.5}, "wall_time_s": 2.0,
+               "recall@5": 0.5, "em": 0.25, "f1": 0.4, "acc": 0.5}
+    for name in ("none-standard", "backbone-standard"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "results" / "rerank.json"
+    assert bench_rerank.main(["--questions", "unused.jsonl", "--work", str(tmp_path), "--report-only",
+                              "--rerankers", "backbone", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["rows"]
+    assert [(r["setting"], r["method"]) for r in rows] == [("none", "standard"), ("backbone", "standard")]
+    assert (tmp_path / "img" / "rerank.png").stat().st_size > 1000
