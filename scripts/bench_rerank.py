@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "orthrus_rag.entrypoints.cli"]
     common = ["dataset=2wiki", f"dataset.path={args.questions}", f"dataset.limit={args.limit}", "progress=false"]
-    adapters = {name: f"+model.adapters.{name}={folder}" for name, _, folder in (a.partition("=") for a in args.adapter)}
+    adapters = {name: f"+model.adapters.{name}={folder}"
+                for name, _, folder in (a.partition("=") for a in args.adapter)}
     index = work / "index"
     if not args.report_only and not (index / "index" / "manifest.json").is_file():
         run(cli + ["index", "dataset=2wiki", f"dataset.path={args.questions}", f"run_dir={index}"], work / "index.log")

@@ -91,11 +91,12 @@ def plot_throughput(rows: list[dict], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def plot_latency_cdf(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
+def plot_latency_cdf(runs: dict[str, dict], path: str | Path, title: str = "",
+                     kinds: tuple[str, ...] = KINDS) -> Path:
     """Latency CDF per kind, one line per system (`runs`: system -> RunResult dict)."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, kind in zip(axes, KINDS):
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4))
+    for ax, kind in zip(axes, kinds):
         for system, run in runs.items():
             lat = np.sort([r["finish_s"] - r["start_s"] for r in run["records"]
                            if r["kind"] == kind and r["finish_s"] is not None])

@@ -14,7 +14,17 @@ from omegaconf import DictConfig
 
 from ..driver import SCORE, RunResult, by_group, closed_loop, rows, summarize
 from ..harness import Session, workload
-from ..report import _fmt, _plt, _save, caption, plot_step_mix, result_rows, style_bars, write_json
+from ..report import (
+    _fmt,
+    _plt,
+    _save,
+    caption,
+    plot_latency_cdf,
+    plot_step_mix,
+    result_rows,
+    style_bars,
+    write_json,
+)
 from ..workloads import make_score_request, rerank_stream
 
 logger = logging.getLogger(__name__)
@@ -101,25 +111,9 @@ def report(cfg: DictConfig, results: dict[str, dict[str, dict]], out: Path) -> N
     plot_results({"results": {"rows": table_rows}, "plots": ["rerank_mix.png"]}, out)
     for g in groups:
         tag = g.replace(":", "-")
-        plot_latency_cdf3(by_group(results, g), out / f"latency_cdf_{tag}.png", title=f"({g})")
+        plot_latency_cdf(by_group(results, g), out / f"latency_cdf_{tag}.png", title=f"({g})", kinds=KINDS3)
         plot_step_mix(by_group(results, g), out / f"step_mix_{tag}.png", title=f"({g})")
     logger.info("\n%s", text)
-
-
-def plot_latency_cdf3(runs: dict[str, dict], path: Path, title: str = "") -> Path:
-    """Latency CDF of each of the three kinds, one line per system."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, kind in zip(axes, KINDS3):
-        for system, run in runs.items():
-            lat = np.sort([r["finish_s"] - r["start_s"] for r in run["records"]
-                           if r["kind"] == kind and r["finish_s"] is not None and r["error"] is None])
-            if len(lat):
-                ax.step(np.r_[0.0, lat], np.arange(len(lat) + 1) / len(lat), where="post", label=system)
-        ax.set(title=f"{LABELS[kind]}: latency {title}", xlabel="latency (s)", ylabel="fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return _save(fig, path)
 
 
 def plot_results(results: dict, out_dir: Path) -> list[Path]:
@@ -140,7 +134,8 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
             xs = np.arange(len(KINDS3)) + (j - (len(systems) - 1) / 2) * width
             ax_rps.bar(xs, [r["kinds"][k]["throughput_rps"] for k in KINDS3], width, label=system)
             ax_p95.bar(xs, [r["kinds"][k]["p95_s"] for k in KINDS3], width, label=system)
-        for ax, what in ((ax_rps, "completed requests/s (higher is better)"), (ax_p95, "p95 latency, s (lower is better)")):
+        for ax, what in ((ax_rps, "completed requests/s (higher is better)"),
+                         (ax_p95, "p95 latency, s (lower is better)")):
             ax.set_xticks(np.arange(len(KINDS3)), [LABELS[k] for k in KINDS3])
             ax.set_title(f"{what}; mix {g}")
         style_bars(ax_rps, ax_p95, legend=True)
