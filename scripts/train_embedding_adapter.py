@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -150,8 +151,8 @@ def train_steps(args: argparse.Namespace, triples: list[Triple],
     return history
 
 
-def train(args: argparse.Namespace) -> dict:
-    from peft import LoraConfig, get_peft_model
+def seeded_model(args: argparse.Namespace) -> tuple[Any, torch.nn.Module]:
+    """Both recipes' start: seeds and threads set, then the base model in fp32 and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     random.seed(args.seed)
@@ -160,7 +161,13 @@ def train(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def train(args: argparse.Namespace) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer, model = seeded_model(args)
     if args.checkpointing:  # NOTE: activations of 30 layers x 48 sequences are ~8 GB without it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.full:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import sys
 import time
 from pathlib import Path
@@ -30,10 +29,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_embedding_adapter import TARGETS, Triple, make_triples, train_steps  # noqa: E402 (a sibling script)
+from train_embedding_adapter import TARGETS, Triple, make_triples, seeded_model, train_steps  # noqa: E402 (a sibling script)
 
 from orthrus_rag.engine.rerankers import DEFAULT_INSTRUCTION, BackboneReranker  # noqa: E402
-from orthrus_rag.models.registry import resolve_model_path  # noqa: E402
 from orthrus_rag.params import RerankParams  # noqa: E402
 
 logger = logging.getLogger("train_reranker_adapter")
@@ -87,15 +85,8 @@ def held_out(pairs: Pairs, model: torch.nn.Module, triples: list[Triple], batch_
 
 def train(args: argparse.Namespace) -> dict:
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    tokenizer, model = seeded_model(args)
     peft_model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                                                   target_modules=TARGETS))
     pairs = Pairs(tokenizer, args.max_len)
