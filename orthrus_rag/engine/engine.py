@@ -28,7 +28,7 @@ from orthrus_rag.engine.core.step_cost import StepCostModel
 from orthrus_rag.engine.executor.calibration import calibrate
 from orthrus_rag.engine.executor.plan import describe
 from orthrus_rag.engine.executor.runner import ModelRunner
-from orthrus_rag.engine.handoff import restore_generator
+from orthrus_rag.engine.handoff import Handoffs
 from orthrus_rag.engine.rerankers import Reranker, build_rerankers
 from orthrus_rag.engine.stats import planned_stats
 from orthrus_rag.engine.text_io import InputProcessor, stream_text, update_output
@@ -37,7 +37,6 @@ from orthrus_rag.outputs import (
     EmbeddingOutput,
     EngineOutput,
     GenerationOutput,
-    HandoffOutput,
     RequestMetrics,
     StepStats,
 )
@@ -47,7 +46,7 @@ from orthrus_rag.structured.compiler import GrammarCompiler, compiler_for
 logger = logging.getLogger(__name__)
 
 
-class Engine(BatchCalls):
+class Engine(BatchCalls, Handoffs):
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any,
                  adapter_slots: dict[str, int] | None = None, encoder: torch.nn.Module | None = None,
                  encoder_tokenizer: Any = None, encoder_pooling: dict | None = None,
@@ -180,38 +179,6 @@ class Engine(BatchCalls):
             if not matcher.consume(tok):
                 raise ValueError(f"the handed-off output does not follow its constraint at token {tok}")
         return matcher
-
-    def add_prefilled(self, handoff: HandoffOutput, request_id: str | None = None) -> str:
-        """Continue a generation another engine on the same model prefilled: its KV goes into this engine's
-        cache and it decodes from the next step on. Without free blocks now it is queued for recompute instead
-        (same tokens, just slower)."""
-        prompt = self.inputs.prompt(handoff.prompt_token_ids)
-        if not handoff.output_token_ids:
-            raise ValueError("a handed-off request needs its first sampled token")
-        req = Request(request_id or handoff.request_id, RequestKind.GENERATE, prompt,
-                      sampling_params=handoff.sampling_params, output_token_ids=list(handoff.output_token_ids),
-                      output_text=handoff.output_text, output_logprobs=list(handoff.output_logprobs),
-                      rng=restore_generator(handoff.generator_state, self.config.model.device),
-                      grammar=self._matcher(handoff.sampling_params, len(prompt), handoff.output_token_ids),
-                      adapter_slot=self.embedding_space.generation_slot(handoff.sampling_params.adapter))
-        if handoff.metrics is not None:
-            req.arrival_time = handoff.metrics.arrival_time
-            req.first_scheduled_time = handoff.metrics.first_scheduled_time
-            req.first_token_time = handoff.metrics.first_token_time
-        if req.req_id in self.scheduler.requests:
-            raise ValueError(f"request id {req.req_id!r} is already in use")
-        req.num_computed_tokens = handoff.num_computed_tokens
-        if not self.scheduler.reserve_blocks(req):
-            logger.debug("no free KV blocks for handed-off request %s; queueing it for recompute", req.req_id)
-            req.num_computed_tokens = 0
-            return self._add(req)
-        try:
-            self.runner.write_kv(req, *handoff.kv)
-        except ValueError:
-            self.scheduler.remove(req)
-            raise
-        self.scheduler.add_running(req)
-        return req.req_id
 
     def add_embed(self, text: str | Sequence[int], params: PoolingParams | None = None,
                   request_id: str | None = None) -> str:
@@ -363,17 +330,6 @@ class Engine(BatchCalls):
         return GenerationOutput(req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text,
                                 req.finish_reason, metrics, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                 num_cached_tokens=req.num_cached_tokens)
-
-    def _hand_off(self, req: Request) -> HandoffOutput:
-        """Stop `req` after its first token: copy its KV out, free its blocks, return what another engine needs."""
-        kv = self.runner.read_kv(req)
-        self.scheduler.release(req, time.monotonic())
-        assert req.sampling_params is not None
-        return HandoffOutput(
-            req.req_id, req.prompt_token_ids, list(req.output_token_ids), req.output_text, kv, req.sampling_params,
-            req.rng.get_state() if req.rng is not None else None,
-            RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, None),
-            output_logprobs=list(req.output_logprobs))
 
     def run_until_done(self, max_steps: int | None = None) -> dict[str, EngineOutput]:
         """The engine loop run to empty: step until every request finished; bounded by `max_steps` (default:
