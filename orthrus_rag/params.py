@@ -286,6 +286,13 @@ class EmbeddingRoute:
         return f"decoder+{self.adapter}" if self.adapter else "decoder"
 
 
+def pairs_of(query: str, documents: Sequence[str]) -> list[tuple[str, str]]:
+    """A rerank call's (query, document) pairs; one string as `documents` would be read letter by letter."""
+    if isinstance(documents, str):
+        raise TypeError("documents must be a list of strings, not one string")
+    return [(query, doc) for doc in documents]
+
+
 def is_bulk(params: SamplingParams | PoolingParams | None) -> bool:
     """Whether a request of `params` is bulk work (priority above 0, e.g. a corpus ingest): what the scheduler runs
     only on the budget other work leaves, and what a front end counts against its bulk in-flight limit."""

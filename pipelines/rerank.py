@@ -42,7 +42,7 @@ class Reranking:
     def __init__(self, client: Any, reranker: str | None, candidates: int) -> None:
         if not callable(getattr(client, "score", None)):
             raise ValueError(f"{getattr(client, 'name', type(client).__name__)} cannot score passages: a reranker runs "
-                             "with deploy=engine, dedicated or disagg_pd")
+                             "with deploy=engine, dedicated, disagg_pd or ray, or against a server")
         names = getattr(client, "reranker_names", None)
         if names is not None and not names:
             raise ValueError("pipeline.reranker needs a reranker loaded: set model.rerankers (a cross-encoder, or "

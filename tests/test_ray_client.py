@@ -16,10 +16,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError  # noqa: E402
 
 from orthrus_rag.engine.clients.protocol import EngineUnavailable  # noqa: E402
 from orthrus_rag.entrypoints.ray.client import RayServeClient  # noqa: E402
-from orthrus_rag.outputs import GenerationOutput  # noqa: E402
+from orthrus_rag.outputs import GenerationOutput, ScoreOutput  # noqa: E402
 from orthrus_rag.params import (  # noqa: E402
     EmbeddingSpace,  # noqa: E402
     PoolingParams,
+    RerankParams,
     SamplingParams,
 )
 
@@ -81,9 +82,9 @@ class FakeHandle:
         return _Method()
 
 
-def _client(handle: FakeHandle, retries: int = 2) -> RayServeClient:
+def _client(handle: FakeHandle, retries: int = 2, rerankers: tuple[str, ...] = ("backbone",)) -> RayServeClient:
     return RayServeClient(handle, tokenizer=None, embedding_space=EmbeddingSpace("fake"), max_in_flight=8,
-                          retries=retries)
+                          retries=retries, reranker_names=rerankers)
 
 
 def _snapshot(text: str, finished: bool) -> GenerationOutput:
@@ -92,7 +93,8 @@ def _snapshot(text: str, finished: bool) -> GenerationOutput:
 
 CALLS = {"generate": ("Who wrote Hamlet?", SamplingParams(max_tokens=4)),
          "embed": ("a passage", PoolingParams()),
-         "embed_many": (["one", "two"], PoolingParams())}
+         "embed_many": (["one", "two"], PoolingParams()),
+         "score_pairs": ([("a query", "one"), ("a query", "two")], RerankParams(reranker="backbone"))}
 
 
 @pytest.mark.parametrize("failure", [DIED, UNAVAILABLE], ids=["died", "unavailable"])
@@ -103,6 +105,24 @@ async def test_a_call_whose_replica_died_is_sent_again_and_answered(method: str,
     assert await getattr(client, method)(*CALLS[method]) == "the answer"  # not a 503
     assert handle.sent == [(method, CALLS[method])] * 2  # the same call, sent once more
     assert client.num_in_flight == 0
+
+
+async def test_a_rerank_call_goes_to_one_replica_and_keeps_the_documents_order() -> None:
+    scored = [ScoreOutput("r/1", 0.25, 7), ScoreOutput("r/2", 0.75, 9)]
+    handle = FakeHandle(DIED, scored)
+    client = _client(handle)
+    assert await client.score("a query", ["one", "two"]) == [0.25, 0.75]
+    assert handle.sent == [("score_pairs", ([("a query", "one"), ("a query", "two")], None))] * 2  # one call each
+    assert client.num_in_flight == 0
+    with pytest.raises(TypeError, match="list of strings"):
+        await client.score("a query", "one document")
+
+
+async def test_a_deployment_without_rerankers_refuses_scoring_before_any_call() -> None:
+    handle = FakeHandle("never asked for")
+    with pytest.raises(ValueError, match="model.rerankers"):
+        await _client(handle, rerankers=()).score_pairs([("a query", "one")])
+    assert handle.sent == []
 
 
 async def test_spent_retries_are_a_retryable_503() -> None:

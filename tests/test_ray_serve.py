@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import openai
@@ -37,7 +38,7 @@ def ray_serve():
     from orthrus_rag.entrypoints.openai.server import free_port
     from orthrus_rag.entrypoints.ray.app import APP_NAME, REPLICA, build_application, start
 
-    config = engine_config(SMOL, embedding_model=MINILM, num_threads=1, **engine_overrides())
+    config = engine_config(SMOL, embedding_model=MINILM, num_threads=1, rerankers=["backbone"], **engine_overrides())
     app = build_application(config, replicas=2, cpus_per_replica=1, max_in_flight=64, default_max_tokens=8)
     url = start(app, port=free_port(), num_cpus=2)
     handle = serve.get_deployment_handle(REPLICA, app_name=APP_NAME)
@@ -59,7 +60,8 @@ def test_mixed_traffic_through_one_endpoint_equals_the_single_process_server(ray
     url, _ = ray_serve
     ours = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
     single = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=120)
-    assert {m.id for m in ours.models.list()} == {m.id for m in single.models.list()}
+    # the replicas also load the backbone reranker (its card is listed); the single server loads none
+    assert {m.id for m in ours.models.list()} == {m.id for m in single.models.list()} | {"backbone"}
     texts = [f"passage {i} about topic {i % 3}" for i in range(12)]
     with ThreadPoolExecutor(8) as pool:  # chat, streamed chat and embeddings in flight together
         chats = [pool.submit(_chat, ours, p) for p in PROMPTS]
@@ -72,6 +74,30 @@ def test_mixed_traffic_through_one_endpoint_equals_the_single_process_server(ray
     want_embed = single.embeddings.create(model=MINILM, input=texts[0::3])
     np.testing.assert_allclose([d.embedding for d in got_embed[0].data], [d.embedding for d in want_embed.data],
                                atol=1e-5)
+
+
+def test_rerank_through_the_replicas_scores_as_one_engine(ray_serve, smol_engine):
+    """POST /v1/rerank on the Ray ingress: each call scored by one replica's engine, as an in-process engine
+    scores it."""
+    import httpx
+
+    from orthrus_rag import Engine
+    from orthrus_rag.params import RerankParams
+    from tests.test_rerank import DOCS, QUERY
+
+    url, _ = ray_serve
+    src = smol_engine
+    local = Engine(replace(src.config, model=replace(src.config.model, rerankers=["backbone"])), src.runner.model,
+                   src.tokenizer)
+    want = local.score(QUERY, DOCS, RerankParams())
+    with ThreadPoolExecutor(4) as pool:  # NOTE: several calls at once, so both replicas may take one
+        replies = list(pool.map(lambda _: httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": DOCS},
+                                                     timeout=120), range(4)))
+    for r in replies:
+        assert r.status_code == 200, r.text
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        assert [got[i] for i in range(len(DOCS))] == pytest.approx(want, abs=1e-3)
+    assert not local.has_unfinished()
 
 
 def test_health_and_metrics_cover_every_replica(ray_serve):

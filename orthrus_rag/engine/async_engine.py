@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from orthrus_rag.engine.async_sinks import Sink, Snapshots
-from orthrus_rag.engine.clients.protocol import EngineQueueFull, EngineShutdown, refuse_inside_event_loop
+from orthrus_rag.engine.clients.protocol import EngineQueueFull, EngineShutdown, PairScoring, refuse_inside_event_loop
 from orthrus_rag.engine.core.request import RequestKind
 from orthrus_rag.engine.engine import Engine
 from orthrus_rag.engine.executor.plan import ExecutionPlan
@@ -45,7 +45,7 @@ class _Outbox:
         self.owner._outbox.append((self.sink, exc, True))
 
 
-class AsyncEngine:
+class AsyncEngine(PairScoring):
     """One in-process `Engine` as an `EngineClient` (engine/clients/protocol.py): embeddings and generations from
     every coroutine share its steps. `max_in_flight` bounds its unfinished requests (more: `EngineQueueFull`).
 
@@ -147,12 +147,6 @@ class AsyncEngine:
     def reranker_names(self) -> list[str]:
         """The loaded rerankers (`model.rerankers`), the default first."""
         return list(self._engine.rerankers)
-
-    async def score(self, query: str, documents: Sequence[str], params: RerankParams | None = None) -> list[float]:
-        """Each document's relevance to `query` (engine/rerankers.py), in the documents' order."""
-        if isinstance(documents, str):
-            raise TypeError("documents must be a list of strings, not one string")
-        return [out.score for out in await self.score_pairs([(query, doc) for doc in documents], params)]
 
     async def score_pairs(self, pairs: Sequence[tuple[str, str]],
                           params: RerankParams | None = None) -> list[ScoreOutput]:

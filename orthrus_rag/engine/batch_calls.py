@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, RerankParams, SamplingParams
+from orthrus_rag.params import PoolingParams, RerankParams, SamplingParams, pairs_of
 
 
 class BatchCalls:
@@ -26,12 +26,11 @@ class BatchCalls:
 
     def score(self, query: str, documents: Sequence[str], params: RerankParams | None = None) -> list[float]:
         """Each document's relevance to `query` (in [0, 1], documents' order), all pairs in shared steps."""
-        if isinstance(documents, str):
-            raise TypeError("documents must be a list of strings, not one string")
+        pairs = pairs_of(query, documents)
         ids: list[str] = []
         try:
-            for doc in documents:
-                ids.append(self.add_score(query, doc, params))
+            for q, doc in pairs:
+                ids.append(self.add_score(q, doc, params))
             outputs = self.run_until_done()
         except BaseException:
             for rid in ids:  # NOTE: as `run`: nothing of this call stays queued

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from orthrus_rag.embedding_formats import adapter_prefixes
-from orthrus_rag.engine.clients.protocol import ClientFailed, RequestFailed, refuse_inside_event_loop
+from orthrus_rag.engine.clients.protocol import ClientFailed, PairScoring, RequestFailed, refuse_inside_event_loop
 from orthrus_rag.engine.deploy.spec import WorkerError
 from orthrus_rag.outputs import EmbeddingOutput, EngineOutput, GenerationOutput, ScoreOutput
 from orthrus_rag.params import EmbeddingSpace, PoolingParams, RerankParams, SamplingParams
@@ -36,7 +36,7 @@ from orthrus_rag.params import EmbeddingSpace, PoolingParams, RerankParams, Samp
 logger = logging.getLogger(__name__)
 
 
-class DeploymentClient:
+class DeploymentClient(PairScoring):
     """Generate / embed through a system's `client.submit` / `poll` / `shutdown`, which it then owns.
 
     `tokenizer` and `embedding_space` say what the system serves (it is opaque from here): the generation model's
@@ -122,17 +122,11 @@ class DeploymentClient:
         futures = [asyncio.wrap_future(self.submit("embed", t, params)) for t in texts]
         return list(await asyncio.gather(*futures))
 
-    async def score(self, query: str, documents: Sequence[str], params: RerankParams | None = None) -> list[float]:
-        """Each document's relevance to `query`, scored where the system routes scoring (engine/rerankers.py)."""
-        if isinstance(documents, str):
-            raise TypeError("documents must be a list of strings, not one string")
-        return [out.score for out in await self.score_pairs([(query, d) for d in documents], params)]
-
     async def score_pairs(self, pairs: Sequence[tuple[str, str]],
                           params: RerankParams | None = None) -> list[ScoreOutput]:
-        """(query, document) pairs submitted together; a failed pair fails the call (`RequestFailed`)."""
-        if not self.reranker_names:
-            raise ValueError("this deployment loads no reranker; set model.rerankers")
+        """(query, document) pairs submitted together, scored where the system routes scoring; a failed pair fails
+        the call (`RequestFailed`)."""
+        self._require_reranker()
         futures = [asyncio.wrap_future(self.submit("score", tuple(pair), params)) for pair in pairs]
         outs = await asyncio.gather(*futures)
         return [ScoreOutput(o.request_id, float(o.embedding[0]), len(o.prompt_token_ids), o.metrics) for o in outs]

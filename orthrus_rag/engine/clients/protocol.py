@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, RerankParams, SamplingParams, pairs_of
 
 
 # ---- what a request through the seam can fail with -------------------------------------------------------------
@@ -127,6 +127,21 @@ class PlanHolder(Protocol):
 def execution_plan(client: object) -> Any:
     """The client's ExecutionPlan where its steps run in this process, else None."""
     return client.plan if isinstance(client, PlanHolder) else None
+
+
+class PairScoring:
+    """`score` for a client built on `score_pairs` (one rerank call's pairs submitted together), and the check a
+    client that forwards pairs makes before it sends any (`reranker_names`: what its engines load)."""
+
+    reranker_names: list[str]
+
+    async def score(self, query: str, documents: Sequence[str], params: RerankParams | None = None) -> list[float]:
+        """Each document's relevance to `query`, in the documents' order."""
+        return [out.score for out in await self.score_pairs(pairs_of(query, documents), params)]
+
+    def _require_reranker(self) -> None:
+        if not self.reranker_names:
+            raise ValueError("this deployment loads no reranker; set model.rerankers")
 
 
 def refuse_inside_event_loop() -> None:

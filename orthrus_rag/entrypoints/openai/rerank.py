@@ -56,7 +56,7 @@ class Rerank:
     def params(self, model: str | None, instruction: str | None, priority: int) -> RerankParams:
         if self.score_pairs is None:
             raise OpenAIError(404, f"{getattr(self.service.client, 'name', 'this deployment')} cannot score pairs "
-                              "(serve reranks with deploy=engine)", param="model", code="model_not_found")
+                              "(serve reranks with deploy=engine or ray)", param="model", code="model_not_found")
         if not self.names:
             raise OpenAIError(404, "this server loads no reranker (serve with model.rerankers=[...])", param="model",
                               code="model_not_found")

@@ -35,7 +35,8 @@ class OpenAIIngress:
 
         info = await self.replicas.info.remote()
         client = RayServeClient(self.replicas, load_tokenizer(self.model), info["embedding_space"],
-                                self.max_in_flight, expected_replicas=self.expected_replicas, retries=self.retries)
+                                self.max_in_flight, expected_replicas=self.expected_replicas, retries=self.retries,
+                                reranker_names=info.get("reranker_names", ()))
         return build_app(client, self.served_model_name, self.api_key, self.default_max_tokens)
 
 
@@ -151,7 +152,8 @@ def ray_client(application: Any, address: str | None = None, num_cpus: int | Non
     info = handle.info.remote().result()
     space = info["embedding_space"]
     return RayServeClient(handle, load_tokenizer(space.model), space, max_in_flight,
-                          on_close=lambda: _shutdown(started), retries=retries)
+                          on_close=lambda: _shutdown(started), retries=retries,
+                          reranker_names=info.get("reranker_names", ()))
 
 
 def _shutdown(stop_ray: bool) -> None:

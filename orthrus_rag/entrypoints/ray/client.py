@@ -9,9 +9,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from orthrus_rag.engine.clients.protocol import EngineUnavailable, InFlight, refuse_inside_event_loop
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import EmbeddingSpace, PoolingParams, SamplingParams
+from orthrus_rag.engine.clients.protocol import EngineUnavailable, InFlight, PairScoring, refuse_inside_event_loop
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, ScoreOutput
+from orthrus_rag.params import EmbeddingSpace, PoolingParams, RerankParams, SamplingParams
 
 RETRIES = 2  # a call whose replica died is sent again this many times (the router picks a live one): deploy.retries
 
@@ -22,11 +22,13 @@ def _replica_failures() -> tuple[type[BaseException], ...]:
     return RayActorError, ActorUnavailableError
 
 
-class RayServeClient:
+class RayServeClient(PairScoring):
     def __init__(self, handle: Any, tokenizer: Any, embedding_space: EmbeddingSpace, max_in_flight: int,
                  name: str = "ray-serve", on_close: Callable[[], None] | None = None,
-                 expected_replicas: int | None = None, retries: int = RETRIES) -> None:
+                 expected_replicas: int | None = None, retries: int = RETRIES,
+                 reranker_names: Sequence[str] = ()) -> None:
         self.handle = handle
+        self.reranker_names = list(reranker_names)  # what the replicas' engines load (`model.rerankers`)
         self.retries = retries
         self.expected_replicas = expected_replicas
         self._on_close = on_close
@@ -90,6 +92,13 @@ class RayServeClient:
                          params: PoolingParams | None = None) -> list[EmbeddingOutput]:
         with self._counted(len(texts)):
             return await self._call("embed_many", list(texts), params)
+
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]],
+                          params: RerankParams | None = None) -> list[ScoreOutput]:
+        """(query, document) pairs scored in one replica's shared steps, in order."""
+        self._require_reranker()
+        with self._counted(len(pairs)):
+            return await self._call("score_pairs", [tuple(p) for p in pairs], params)
 
     def embed_sync(self, texts: Sequence[str | Sequence[int]],
                    params: PoolingParams | None = None) -> list[EmbeddingOutput]:

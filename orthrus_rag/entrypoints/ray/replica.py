@@ -8,8 +8,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput
-from orthrus_rag.params import PoolingParams, SamplingParams
+from orthrus_rag.outputs import EmbeddingOutput, GenerationOutput, ScoreOutput
+from orthrus_rag.params import PoolingParams, RerankParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ class EngineReplica:
 
     # ---- what the ingress asks once ------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        return {"embedding_space": self.engine.embedding_space, "max_in_flight": self.aengine.max_in_flight}
+        return {"embedding_space": self.engine.embedding_space, "max_in_flight": self.aengine.max_in_flight,
+                "reranker_names": self.aengine.reranker_names}
 
     # ---- requests ---------------------------------------------------------------------------------------------------
     # NOTE: request ids carry the replica's tag ("<replica>/<id>"): which replica served what, for logs and tests
@@ -63,6 +64,12 @@ class EngineReplica:
     async def embed_many(self, texts: Sequence[str | Sequence[int]],
                          params: PoolingParams | None = None) -> list[EmbeddingOutput]:
         return [self._tagged(o) for o in await self.aengine.embed_many(texts, params)]
+
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]],
+                          params: RerankParams | None = None) -> list[ScoreOutput]:
+        # NOTE: a rerank call's pairs go to one replica together: its engine packs them beside that replica's
+        # decodes, and a call never waits on the slowest of several replicas
+        return [self._tagged(o) for o in await self.aengine.score_pairs(pairs, params)]
 
     def _tagged(self, out: Any) -> Any:
         out.request_id = f"{self.tag}/{out.request_id}"
