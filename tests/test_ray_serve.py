@@ -210,17 +210,31 @@ def test_a_killed_replica_fails_nothing_silently(ray_serve):
 
 
 def test_run_deploy_ray_scores_as_the_local_run(ray_serve, tmp_path):
-    """`orthrus-rag run deploy=ray` drives Iter-RetGen through the replicas' handle (it replaces the HTTP app)."""
+    """`orthrus-rag run deploy=ray` drives Iter-RetGen through the replicas' handle (it replaces the HTTP app),
+    reranking each retrieval's 4 candidates to 2 there: the same passages, reranker scores and answers as the
+    local run."""
     from orthrus_rag.entrypoints import commands as app
     from tests.test_app_config import _compose
 
-    common = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=16", "retriever.k=2",
+    common = ["experiment=smoke", "dataset.num_questions=4", "pipeline.max_tokens=16", "retriever.k=4",
+              "pipeline.top_k=2", "model.rerankers=[backbone]", "pipeline.reranker=default",
               "progress=false", "cache.num_blocks=512", "scheduler.max_num_batched_tokens=64",
               "scheduler.max_chunk_tokens=32", "scheduler.max_num_seqs=32", "model.dtype=float32"]
     local = app.run(_compose(*common, f"run_dir={tmp_path / 'local'}"))
     remote = app.run(_compose(*common, "deploy=ray", "deploy.replicas=2", f"run_dir={tmp_path / 'ray'}"))
     assert remote["num_failed"] == 0 and remote["config"]["serving"] == "ray-serve"
     assert (remote["em"], remote["f1"]) == (local["em"], local["f1"])
+
+    def kept(folder: str) -> dict[str, list[list[tuple[str, float]]]]:
+        records = [json.loads(line) for line in (tmp_path / folder / "records.jsonl").read_text().splitlines()]
+        return {r["id"]: [[(p["id"], p["score"]) for p in it["retrieved"]] for it in r["iterations"] if it["retrieved"]]
+                for r in records}
+
+    here, there = kept("local"), kept("ray")
+    assert here.keys() == there.keys() and all(len(hop) == 2 for hops in there.values() for hop in hops)
+    for qid, hops in here.items():
+        assert [[i for i, _ in hop] for hop in there[qid]] == [[i for i, _ in hop] for hop in hops]
+        assert [s for hop in there[qid] for _, s in hop] == pytest.approx([s for hop in hops for _, s in hop], abs=1e-4)
 
 
 def _victim():
