@@ -272,7 +272,12 @@ def run_orthrus(work: Path, questions: str, limit: int, method: str,
                 extra: list[str]) -> tuple[dict[str, QARecord], dict[str, Any]]:
     from orthrus_rag.pipelines.compare import answered
 
+    import shutil
+
     run_dir = work / "orthrus_runs" / method
+    # NOTE: a cell measured again (other questions or limit) starts from an empty folder: `orthrus-rag run` refuses
+    # to write over another run's records (it would resume them)
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "orthrus_rag.entrypoints.cli", "run", "dataset=2wiki", f"dataset.path={questions}",
            f"dataset.limit={limit}", f"retriever.index_dir={work / 'orthrus_index' / 'index'}", "retriever.k=5",
            "pipeline.max_tokens=32", "pipeline.prompt_style=flashrag", f"run_dir={run_dir}",

@@ -193,3 +193,23 @@ def test_index_builds_start_empty_and_keep_one_builder_when_the_other_fails(tmp_
     assert rows[0] == {"system": "flashrag", "passages": 1, "error": "MemoryError: killed"}
     assert rows[1]["system"] == "orthrus" and rows[1]["seconds"] == 2.0 and rows[1]["passages_per_s"] == 0.5
     assert seen[-1][1] is False  # the orthrus builder found its folder empty
+
+
+def test_an_orthrus_cell_measured_again_starts_from_an_empty_run_folder(tmp_path: Path, monkeypatch) -> None:
+    """An earlier run's records in the method's folder (another limit) would make `orthrus-rag run` refuse."""
+    stale = tmp_path / "orthrus_runs" / "standard"
+    stale.mkdir(parents=True)
+    (stale / "records.jsonl").write_text('{"id": "old"}\n')
+    seen = []
+
+    def fake_measured(cmd, log):
+        seen.append((stale / "records.jsonl").exists())
+        stale.mkdir(parents=True, exist_ok=True)
+        (stale / "summary.json").write_text(json.dumps({"wall_time_s": 1.0, "retrievals_per_question": 1.0}))
+        return 1.0, 100.0
+
+    monkeypatch.setattr(bench_flashrag, "measured", fake_measured)
+    one = SimpleNamespace(em=1.0, f1=1.0, acc=1.0, generated_tokens=3, latency_s=0.5)
+    monkeypatch.setattr("orthrus_rag.pipelines.compare.answered", lambda run_dir: {"q0": one})
+    _, r = bench_flashrag.run_orthrus(tmp_path, "dev.jsonl", 2, "standard", [])
+    assert seen == [False] and r["questions"] == 1 and r["qps"] == 1.0
