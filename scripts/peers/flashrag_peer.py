@@ -19,7 +19,9 @@ What FlashRAG 0.1.2 needs to run offline on a CPU, set here at run time (its cod
 - its OpenAI generator and prompt template ask tiktoken for `gpt-4o`'s encoding (downloaded at first use):
   the generator's own tokenizer stands in (it only truncates prompts and splits FLARE's sentences);
 - its OpenAI generator wraps a lone prompt once more than it reads it, and IRCoT's and Self-Ask's plain-text
-  prompts are not messages: every prompt reaches the server as a list of chat messages (a string as one user turn).
+  prompts are not messages: every prompt reaches the server as a list of chat messages (a string as one user turn);
+- its prompt template cuts an over-long chat prompt with an attribute it never sets (`encoding`): its own
+  tokenizer is given under that name.
 
 Per question it records the prediction (after FlashRAG's own answer parsing), retrievals (queries searched),
 generated tokens (its outputs re-tokenized by the generator's tokenizer) and latency: a batch pipeline's
@@ -145,6 +147,10 @@ def _patch_openai(tokenizer: _Tokenizer) -> None:
     truncate = base_prompt.PromptTemplate.truncate_prompt
 
     def keep_text(self: Any, prompt: Any) -> Any:  # IRCoT's plain-text prompt under the OpenAI generator
+        # NOTE: FlashRAG 0.1.2 cuts an over-long chat prompt with `self.encoding`, which it never sets (its encoder
+        # is `self.tokenizer`): every prompt over generator_max_input_len raised AttributeError
+        if not hasattr(self, "encoding") and hasattr(self, "tokenizer"):
+            self.encoding = self.tokenizer
         return prompt if isinstance(prompt, str) else truncate(self, prompt)
 
     base_prompt.PromptTemplate.truncate_prompt = keep_text
