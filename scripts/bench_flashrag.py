@@ -378,6 +378,17 @@ def add_index_corpus(results: dict[str, Any], corpus: str, limit: int | None, bu
     return results
 
 
+def keep_index_corpora(results: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """A question run's results file written over an earlier one: the earlier file's other corpora's index builds
+    (`--corpus` runs) and the commands that made them stay; its question run's figures and command are replaced."""
+    corpora = earlier.get("results", {}).get("index_corpora")
+    if corpora:
+        results["results"]["index_corpora"] = corpora
+    results["command"] = results["command"] + [c for c in earlier.get("command", [])
+                                               if "--questions" not in c.split() and c not in results["command"]]
+    return results
+
+
 def _corpus_of(command: str) -> str | None:
     """The corpus file a `--corpus` command builds (by name), or None."""
     parts = command.split()
@@ -476,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         results = payload(result, [command], args.out.stem + ".png")
+        if args.out.is_file():  # NOTE: the --corpus runs' builds (hours at 200k) are not measured again here
+            results = keep_index_corpora(results, json.loads(args.out.read_text()))
         args.out.write_text(json.dumps(results, indent=1))
         if result["rows"]:
             img = args.out.parent.parent / "img" if args.out.parent.name == "results" else args.out.parent

@@ -173,6 +173,20 @@ def test_index_corpora_accumulate_and_a_remeasured_one_replaces_its_builds() -> 
     assert sum("c20k" in c for c in out["command"]) == 1 and out["command"][0].endswith("--limit 40")
 
 
+def test_a_question_run_written_over_a_results_file_keeps_its_corpora_builds() -> None:
+    q40 = "python scripts/bench_flashrag.py --questions dev.jsonl --limit 40 --out r.json"
+    corpus = ["python scripts/make_corpus.py --out runs/corpus/c20k.jsonl --generate 18415",
+              "python scripts/bench_flashrag.py --corpus runs/corpus/c20k.jsonl --out r.json"]
+    builds = [{"corpus": "c20k.jsonl", "limit": None, "builds": [{"system": "flashrag", "passages": 20000}]}]
+    earlier = {"command": [q40, *corpus], "results": {"rows": [{"questions": 40}], "index_corpora": builds}}
+    q200 = "python scripts/bench_flashrag.py --questions dev.jsonl --limit 200 --out r.json"
+    out = bench_flashrag.keep_index_corpora({"command": [q200], "results": {"rows": [{"questions": 200}]}}, earlier)
+    assert out["command"] == [q200, *corpus]
+    assert out["results"]["index_corpora"] == builds and out["results"]["rows"] == [{"questions": 200}]
+    first = bench_flashrag.keep_index_corpora({"command": [q200], "results": {"rows": []}}, {})
+    assert first["command"] == [q200] and "index_corpora" not in first["results"]
+
+
 def test_index_builds_start_empty_and_keep_one_builder_when_the_other_fails(tmp_path: Path, monkeypatch) -> None:
     """A stale build of another corpus is cleared first; a builder that fails is recorded with its reason and the
     other's figures are kept."""
