@@ -129,8 +129,13 @@ def test_both_replicas_carry_requests(ray_serve):
         embs = [handle.embed.remote(f"text {i}", PoolingParams()) for i in range(12)]
         return await asyncio.gather(*gens, *embs)
 
-    outs = asyncio.run(many())
-    replicas = {o.request_id.split("/")[0] for o in outs}
+    # NOTE: Ray Serve's router picks between replicas by their queue lengths at random; under a loaded machine one
+    # burst of 24 can land on one replica, so up to three bursts may be sent (a router that never spreads fails all)
+    replicas: set[str] = set()
+    for _ in range(3):
+        replicas |= {o.request_id.split("/")[0] for o in asyncio.run(many())}
+        if len(replicas) == 2:
+            break
     assert len(replicas) == 2, f"every request went to {replicas}"
 
 
